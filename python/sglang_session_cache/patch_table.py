@@ -1,0 +1,99 @@
+"""The table of what sglang-session-cache patches, and where.
+
+Every change this project makes to SGLang is one ``Patch`` entry below. The
+import hook in :mod:`sglang_session_cache.activation` watches the modules named
+here; right after SGLang executes one of them, the hook resolves each matching
+entry's ``apply`` path and calls it with the freshly executed module object.
+
+Adding a patch:
+  1. write ``fn(module)`` in ``sglang_session_cache/patches/<file>.py``;
+  2. add a ``Patch`` entry here (``name`` must be unique; ``module`` must be
+     inside the ``sglang`` package);
+  3. ``python -m sglang_session_cache.patch_table`` lists the table.
+
+Entries for the same module run in table order. This module must stay cheap to
+import: ``apply`` is a dotted string, resolved only when the patch runs.
+
+Print the table: ``python -m sglang_session_cache.patch_table``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from sglang_session_cache.activation import REQUIRED_SGLANG_VERSION
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str  # unique id, e.g. "unified_radix_cache.session_tracker"
+    module: str  # SGLang module to patch, e.g. "sglang.srt.mem_cache.unified_radix_cache"
+    targets: tuple[str, ...]  # human-readable "Class.method" list it touches
+    apply: str  # "package.module:function", resolved lazily, called as fn(module_obj)
+    why: str
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="unified_radix_cache.version_marker",
+        module="sglang.srt.mem_cache.unified_radix_cache",
+        targets=("UnifiedRadixCache.__sglang_session_cache__",),
+        apply="sglang_session_cache.patches.marker:apply",
+        why=(
+            "Tags UnifiedRadixCache with the sglang-session-cache version, so "
+            "a running process can tell that patching reached the class."
+        ),
+    ),
+)
+
+
+def resolve(patch: Patch) -> Callable[[object], None]:
+    """Import and return the function named by ``patch.apply``."""
+    mod_name, sep, attr = patch.apply.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(
+            f"patch {patch.name!r}: apply must look like 'package.module:function', "
+            f"got {patch.apply!r}"
+        )
+    fn = importlib.import_module(mod_name)
+    for part in attr.split("."):
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"patch {patch.name!r}: {patch.apply!r} is not callable")
+    return fn
+
+
+def patches_for(module_name: str, patches: tuple[Patch, ...] | None = None) -> list[Patch]:
+    """Entries that patch ``module_name``, in table order."""
+    table = PATCHES if patches is None else patches
+    return [p for p in table if p.module == module_name]
+
+
+def format_table(patches: tuple[Patch, ...] | None = None) -> str:
+    table = PATCHES if patches is None else patches
+    lines = [
+        f"sglang-session-cache patch table "
+        f"({len(table)} patch{'es' if len(table) != 1 else ''}, "
+        f"requires sglang=={REQUIRED_SGLANG_VERSION})",
+        "",
+    ]
+    for p in table:
+        lines.append(f"{p.name}")
+        lines.append(f"  module:  {p.module}")
+        lines.append(f"  targets: {', '.join(p.targets)}")
+        lines.append(f"  apply:   {p.apply}")
+        lines.append(f"  why:     {p.why}")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    import sys
+
+    sys.stdout.write(format_table())
+
+
+if __name__ == "__main__":
+    main()
