@@ -46,6 +46,70 @@ PATCHES: tuple[Patch, ...] = (
             "a running process can tell that patching reached the class."
         ),
     ),
+    Patch(
+        name="tree_component.session_fields",
+        module="sglang.srt.mem_cache.unified_cache_components.tree_component",
+        targets=("ComponentData.session_ref", "ComponentData.session_ids",
+                 "ComponentData.session_leaf_of"),
+        apply="sglang_session_cache.patches.unified_cache:apply_component_data",
+        why="Per-node, per-component session counts, as class-level defaults "
+        "so untouched nodes cost nothing.",
+    ),
+    Patch(
+        name="unified_radix_cache.session_refs",
+        module="sglang.srt.mem_cache.unified_radix_cache",
+        targets=(
+            "UnifiedRadixCache.__init__", "UnifiedRadixCache._reset_full",
+            "UnifiedRadixCache.insert", "UnifiedRadixCache.cache_finished_req",
+            "UnifiedRadixCache._split_node", "UnifiedRadixCache._remove_leaf_from_parent",
+            "UnifiedRadixCache._evict_component_and_detach_lru",
+            "UnifiedRadixCache._check_lru_linked_list",
+            "UnifiedRadixCache.open_radix_session (new)",
+            "UnifiedRadixCache.release_radix_session (new)",
+            "UnifiedRadixCache.ensure_session_generation (new)",
+            "UnifiedRadixCache.validate_session_state (new)",
+        ),
+        apply="sglang_session_cache.patches.unified_cache:apply_unified_cache",
+        why="With enable_session_radix_cache: composes UnifiedSessionRefTracker, "
+        "swaps in session-aware SWA/Mamba components via "
+        "component_registry_override, partitioned LRUs and the FULL heap key; "
+        "registers refs after a finished request's insert and keeps counts "
+        "right across splits and evictions. Inert with the flag off.",
+    ),
+    Patch(
+        name="radix_cache.legacy_sessions_off",
+        module="sglang.srt.mem_cache.radix_cache",
+        targets=("RadixCache.__init__", "RadixCache.release_radix_session"),
+        apply="sglang_session_cache.patches.server_wiring:apply_legacy_radix_cache",
+        why="Only UnifiedRadixCache owns sessions: the old SessionRadixCacheMixin "
+        "tagging and bulk-free on close no longer run.",
+    ),
+    Patch(
+        name="server_args.lift_priority_requirement",
+        module="sglang.srt.server_args",
+        targets=("ServerArgs._handle_cache_compatibility",),
+        apply="sglang_session_cache.patches.server_wiring:apply_server_args",
+        why="--enable-session-radix-cache no longer requires "
+        "--radix-eviction-policy priority; other checks unchanged.",
+    ),
+    Patch(
+        name="registry.no_effect_guard",
+        module="sglang.srt.mem_cache.registry",
+        targets=("create_tree_cache",),
+        apply="sglang_session_cache.patches.server_wiring:apply_registry",
+        why="One startup warning when the flag is on but the cache built is not "
+        "the unified tree (the flag then has no effect).",
+    ),
+    Patch(
+        name="scheduler.session_forwarding",
+        module="sglang.srt.managers.scheduler",
+        targets=("Scheduler.open_session", "Scheduler.close_session",
+                 "Scheduler._add_request_to_queue"),
+        apply="sglang_session_cache.patches.server_wiring:apply_scheduler",
+        why="open/close forward to the cache; top-level session_id requests get "
+        "their session generation on arrival; bad ids are logged or aborted "
+        "instead of crashing the scheduler.",
+    ),
 )
 
 

@@ -1,0 +1,153 @@
+"""LRU list split into a referenced and an unreferenced partition.
+
+Layout, head to tail (eviction walks from the tail)::
+
+    head <-> referenced (MRU .. LRU) <-> mid <-> unreferenced (MRU .. LRU) <-> tail
+
+``mid`` and ``cursor`` are sentinels whose lock refs (device and host) are
+pinned at 1, so every stock walker (``get_prev_no_lock`` and friends) steps
+over them.  The consequences:
+
+* an eviction walk from the tail meets every unreferenced candidate before any
+  referenced one, and crosses into the referenced partition without a separate
+  scan — soft protection at the cost of one extra hop;
+* a node whose reference state flips moves partitions in O(1);
+* ``cursor`` marks the walk position while the node in front of it is evicted,
+  so the walk survives neighbours being unlinked or moving partitions.
+
+Only caches with ``--enable-session-radix-cache`` use this class; the stock
+``UnifiedLRUList`` is untouched otherwise.
+"""
+
+from __future__ import annotations
+
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedLRUList, UnifiedTreeNode
+
+
+def _make_sentinel(tree_components) -> UnifiedTreeNode:
+    node = UnifiedTreeNode(tree_components)
+    for cd in node.component_data:
+        cd.lock_ref = 1
+        cd.host_lock_ref = 1
+    return node
+
+
+class PartitionedLRUList(UnifiedLRUList):
+    def __init__(self, component_type, tree_components, use_host_ptr: bool = False):
+        super().__init__(component_type, tree_components, use_host_ptr=use_host_ptr)
+        self.mid = _make_sentinel(tree_components)
+        self.cursor = _make_sentinel(tree_components)
+        self._add_node_after(self.head, self.mid)
+
+    def is_referenced(self, node: UnifiedTreeNode) -> bool:
+        return node.component_data[self.component_type].session_ref > 0
+
+    def _partition_head(self, node: UnifiedTreeNode) -> UnifiedTreeNode:
+        return self.head if self.is_referenced(node) else self.mid
+
+    # insert_mru / reset_node_mru both go through _add_node.
+    def _add_node(self, node: UnifiedTreeNode):
+        self._add_node_after(self._partition_head(node), node)
+
+    def move_to_partition(self, node: UnifiedTreeNode) -> None:
+        """Re-home ``node`` at the MRU end of the partition its reference
+        state now calls for.  O(1); no-op when the node is not listed."""
+        if node.id in self.cache:
+            self._remove_node(node)
+            self._add_node(node)
+
+    def reset_node_and_parents_mru(self, node, root_node, should_include):
+        prev = {True: self.head, False: self.mid}
+        while node != root_node:
+            if should_include(node):
+                assert node.id in self.cache
+                self._remove_node(node)
+                side = self.is_referenced(node)
+                self._add_node_after(prev[side], node)
+                prev[side] = node
+            node = node.parent
+
+    def reset_node_and_window_ancestors_mru(
+        self, node, root_node, window_size, should_include
+    ):
+        prev = {True: self.head, False: self.mid}
+        accumulated = 0
+        while node != root_node and accumulated < window_size:
+            if should_include(node):
+                assert node.id in self.cache
+                self._remove_node(node)
+                side = self.is_referenced(node)
+                self._add_node_after(prev[side], node)
+                prev[side] = node
+            accumulated += len(node.key)
+            node = node.parent
+
+    # ---- cursor ----
+
+    def park_cursor_before(self, node: UnifiedTreeNode) -> None:
+        """Link the cursor between ``node`` and its head-side neighbour, so
+        the walk can resume from it after ``node`` is unlinked."""
+        pt = self._pt
+        self.detach_cursor()
+        self._add_node_after(node.lru_prev[pt], self.cursor)
+
+    def detach_cursor(self) -> None:
+        if self.cursor.lru_prev[self._pt] is not None:
+            self._remove_node(self.cursor)
+
+    def next_from_cursor(self, host: bool = False):
+        if host:
+            return self.get_prev_no_host_lock(self.cursor, check_id=False)
+        return self.get_prev_no_lock(self.cursor, check_id=False)
+
+    # ---- checks ----
+
+    def iter_nodes(self):
+        pt = self._pt
+        x = self.head.lru_next[pt]
+        while x is not None and x is not self.tail:
+            yield x
+            x = x.lru_next[pt]
+
+    def integrity_errors(self, label: str) -> list[str]:
+        """Chain, cache and partition invariants as a list of messages."""
+        errors = []
+        pt = self._pt
+        ct = self.component_type
+        prev = self.head
+        seen = set()
+        past_mid = False
+        x = self.head.lru_next[pt]
+        while x is not None and x is not self.tail:
+            if x.lru_prev[pt] is not prev:
+                errors.append(f"[{label}][{ct}] broken prev link at node {x.id}")
+            if x is self.mid:
+                if past_mid:
+                    errors.append(f"[{label}][{ct}] mid sentinel seen twice")
+                past_mid = True
+            elif x is self.cursor:
+                errors.append(f"[{label}][{ct}] cursor left linked after a walk")
+            else:
+                if x.id not in self.cache:
+                    errors.append(f"[{label}][{ct}] node {x.id} linked but not cached")
+                if x.id in seen:
+                    errors.append(f"[{label}][{ct}] cycle at node {x.id}")
+                    break
+                seen.add(x.id)
+                if self.is_referenced(x) == past_mid:
+                    side = "unreferenced" if past_mid else "referenced"
+                    errors.append(
+                        f"[{label}][{ct}] node {x.id} sits in the {side} partition "
+                        f"with session_ref={x.component_data[ct].session_ref}"
+                    )
+            prev = x
+            x = x.lru_next[pt]
+        if x is None:
+            errors.append(f"[{label}][{ct}] chain ends without reaching tail")
+        if not past_mid:
+            errors.append(f"[{label}][{ct}] mid sentinel missing")
+        if len(seen) != len(self.cache):
+            errors.append(
+                f"[{label}][{ct}] list holds {len(seen)} nodes, cache {len(self.cache)}"
+            )
+        return errors

@@ -1,0 +1,153 @@
+"""Scheduler, server-args and cache-selection wiring for session references.
+
+These patches only matter with ``--enable-session-radix-cache``; with the flag
+off each wrapper is a single attribute check in front of SGLang's own code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sglang_session_cache.patches._wrap import wrap_method
+
+# Log through the loggers of the modules we hook, so SGLang's logging config
+# (levels, rank prefixes) applies unchanged.
+_sched_logger = logging.getLogger("sglang.srt.managers.scheduler")
+_registry_logger = logging.getLogger("sglang.srt.mem_cache.registry")
+
+NO_EFFECT_WARNING = (
+    "--enable-session-radix-cache has no effect: the prefix cache is {kind}, not "
+    "UnifiedRadixCache. Session references are implemented on the unified tree "
+    "only; start the server with SGLANG_ENABLE_UNIFIED_RADIX_TREE=1 to use them."
+)
+
+
+def _session_error_type():
+    from sglang_session_cache.session_tracker import SessionRefError
+
+    return SessionRefError
+
+
+# ---- server_args ------------------------------------------------------------
+
+
+def _wrap_cache_compat(orig):
+    # 0.5.16 demanded --radix-eviction-policy priority for the old RadixCache
+    # mixin.  The unified tree orders eviction by session references under any
+    # policy, so the check is lifted; every other compatibility rule still runs.
+    def _handle_cache_compatibility(self):
+        flag = self.enable_session_radix_cache
+        self.enable_session_radix_cache = False
+        try:
+            return orig(self)
+        finally:
+            self.enable_session_radix_cache = flag
+
+    return _handle_cache_compatibility
+
+
+def apply_server_args(module) -> None:
+    wrap_method(module.ServerArgs, "_handle_cache_compatibility", _wrap_cache_compat)
+
+
+# ---- cache selection guard ---------------------------------------------------
+
+
+def _wrap_create_tree_cache(orig):
+    def create_tree_cache(ctx):
+        cache = orig(ctx)
+        server_args = getattr(ctx, "server_args", None)
+        if (
+            server_args is not None
+            and getattr(server_args, "enable_session_radix_cache", False)
+            and getattr(cache, "session_ref_tracker", None) is None
+        ):
+            _registry_logger.warning(NO_EFFECT_WARNING.format(kind=type(cache).__name__))
+        return cache
+
+    return create_tree_cache
+
+
+def apply_registry(module) -> None:
+    # Wrapped on the module, so importers that bind the name afterwards
+    # (kv_cache_builder's from-import) get the guarded version.
+    wrap_method(module, "create_tree_cache", _wrap_create_tree_cache)
+
+
+# ---- legacy RadixCache ----------------------------------------------------------
+
+
+def _wrap_radix_init(orig):
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        # Only UnifiedRadixCache owns sessions now: the old tagging mixin on
+        # RadixCache must not run (nor bulk-free nodes on close).
+        self.enable_session_radix_cache = False
+
+    return __init__
+
+
+def _legacy_release_radix_session(self, session_id):
+    return 0
+
+
+def apply_legacy_radix_cache(module) -> None:
+    from sglang_session_cache.patches._wrap import add_method
+
+    cls = module.RadixCache
+    wrap_method(cls, "__init__", _wrap_radix_init)
+    add_method(cls, "release_radix_session", _legacy_release_radix_session)
+
+
+# ---- scheduler -----------------------------------------------------------------
+
+
+def _wrap_open_session(orig):
+    def open_session(self, recv_req):
+        output = orig(self, recv_req)
+        if self.server_args.enable_session_radix_cache:
+            opener = getattr(self.tree_cache, "open_radix_session", None)
+            if opener is not None and recv_req.session_id is not None:
+                try:
+                    opener(recv_req.session_id, streaming=bool(recv_req.streaming))
+                except _session_error_type() as e:
+                    _sched_logger.warning("open_session rejected: %s", e)
+        return output
+
+    return open_session
+
+
+def _wrap_close_session(orig):
+    def close_session(self, recv_req):
+        try:
+            return orig(self, recv_req)
+        except _session_error_type() as e:
+            # Bad id: nothing was released; tell the operator, keep serving.
+            _sched_logger.warning("close_session rejected: %s", e)
+            return None
+
+    return close_session
+
+
+def _wrap_add_request(orig):
+    def _add_request_to_queue(self, req, is_retracted=False):
+        if (
+            getattr(req, "session_id", None) is not None
+            and self.server_args.enable_session_radix_cache
+        ):
+            ensure = getattr(self.tree_cache, "ensure_session_generation", None)
+            if ensure is not None:
+                try:
+                    ensure(req)
+                except _session_error_type() as e:
+                    req.set_finish_with_abort(f"Invalid request: {e}")
+        return orig(self, req, is_retracted=is_retracted)
+
+    return _add_request_to_queue
+
+
+def apply_scheduler(module) -> None:
+    cls = module.Scheduler
+    wrap_method(cls, "open_session", _wrap_open_session)
+    wrap_method(cls, "close_session", _wrap_close_session)
+    wrap_method(cls, "_add_request_to_queue", _wrap_add_request)

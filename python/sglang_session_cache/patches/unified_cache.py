@@ -1,0 +1,262 @@
+"""Session references on ``UnifiedRadixCache`` (tree side).
+
+Everything here is inert unless the cache was built with
+``CacheInitParams.enable_session_radix_cache=True``: the wrappers check
+``self.session_ref_tracker`` (a class-level ``None``) and fall straight through
+to SGLang's own code otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from sglang_session_cache.patches._wrap import add_method, wrap_method
+
+logger = logging.getLogger("sglang.srt.mem_cache.unified_radix_cache")
+
+
+def apply_component_data(module) -> None:
+    """``ComponentData`` gains the per-node session fields as class-level
+    defaults, so nodes pay nothing until a session touches them."""
+    cd = module.ComponentData
+    if not hasattr(cd, "session_ref"):
+        cd.session_ref = 0
+        cd.session_ids = None
+        cd.session_leaf_of = None
+
+
+# ---- wiring helpers -------------------------------------------------------
+
+
+def _on_ref_change(cache, node, ct) -> None:
+    from sglang_session_cache.partitioned_lru import PartitionedLRUList
+
+    for lists in (cache.lru_lists, cache.host_lru_lists):
+        lru = lists.get(ct)
+        if isinstance(lru, PartitionedLRUList):
+            lru.move_to_partition(node)
+
+
+def _install_partitioned_lrus(cache) -> None:
+    from sglang_session_cache.partitioned_lru import PartitionedLRUList
+
+    tc = cache.tree_components
+    cache.lru_lists = {ct: PartitionedLRUList(ct, tc) for ct in tc}
+    cache.host_lru_lists = {
+        ct: PartitionedLRUList(ct, tc, use_host_ptr=True) for ct in tc
+    }
+
+
+def attach_session_tracking(cache) -> None:
+    from sglang_session_cache.session_eviction import SessionAwareEvictionStrategy
+    from sglang_session_cache.session_tracker import UnifiedSessionRefTracker
+
+    cache.eviction_strategy = SessionAwareEvictionStrategy(cache.eviction_strategy)
+    cache.session_ref_tracker = UnifiedSessionRefTracker(
+        cache, on_ref_change=lambda node, ct: _on_ref_change(cache, node, ct)
+    )
+    _install_partitioned_lrus(cache)
+    logger.info(
+        "Session radix cache enabled on the unified tree (components %s): "
+        "referenced KV is evicted last, never pinned.",
+        ", ".join(str(ct) for ct in cache.tree_components),
+    )
+
+
+def _locate(cache, key):
+    """The node an insert of ``key`` ended on, without touching LRU state."""
+    key, _ = key.maybe_to_bigram_view(cache.is_eagle)
+    key = key.page_aligned(cache.page_size)
+    node = cache.root_node
+    page_size = cache.page_size
+    while len(key) > 0:
+        child = node.children.get(key.child_key(page_size))
+        if child is None:
+            return None
+        matched = child.key.match(key, page_size=page_size)
+        if matched < len(child.key):
+            return None
+        key = key[matched:]
+        node = child
+    return node
+
+
+# ---- method wrappers -------------------------------------------------------
+
+
+def _wrap_init(orig):
+    def __init__(self, params):
+        enabled = bool(getattr(params, "enable_session_radix_cache", False))
+        if enabled:
+            from sglang_session_cache.session_eviction import (
+                SESSION_COMPONENT_REGISTRY,
+            )
+
+            # An explicit override (e.g. MLX's Mamba component) still wins.
+            override = {
+                **SESSION_COMPONENT_REGISTRY,
+                **(params.component_registry_override or {}),
+            }
+            params = dataclasses.replace(params, component_registry_override=override)
+        orig(self, params)
+        if enabled:
+            attach_session_tracking(self)
+
+    return __init__
+
+
+def _wrap_reset_full(orig):
+    def _reset_full(self):
+        orig(self)
+        tracker = self.session_ref_tracker
+        if tracker is not None:
+            _install_partitioned_lrus(self)
+            tracker.reset()
+
+    return _reset_full
+
+
+def _wrap_insert(orig):
+    def insert(self, params):
+        result = orig(self, params)
+        capture = self._session_insert_capture
+        if capture is not None and not self.disable:
+            capture.append(_locate(self, params.key))
+        return result
+
+    return insert
+
+
+def _wrap_cache_finished_req(orig):
+    def cache_finished_req(self, req, is_insert=True, *, kv_len_to_handle, **kwargs):
+        tracker = self.session_ref_tracker
+        if tracker is None or not is_insert or not tracker.should_register(req):
+            return orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
+        capture = []
+        self._session_insert_capture = capture
+        try:
+            orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
+        finally:
+            self._session_insert_capture = None
+        # Registered only after the insert (and the whole finish) succeeded.
+        if capture and capture[-1] is not None:
+            tracker.register_session_ref(req, capture[-1])
+
+    return cache_finished_req
+
+
+def _wrap_split_node(orig):
+    def _split_node(self, key, child, split_len):
+        new_node = orig(self, key, child, split_len)
+        tracker = self.session_ref_tracker
+        if tracker is not None:
+            tracker.on_split(new_node, child)
+        return new_node
+
+    return _split_node
+
+
+def _wrap_remove_leaf(orig):
+    def _remove_leaf_from_parent(self, node):
+        tracker = self.session_ref_tracker
+        if tracker is not None:
+            tracker.on_node_deleted(node)
+        return orig(self, node)
+
+    return _remove_leaf_from_parent
+
+
+def _wrap_evict_component(orig):
+    def _evict_component_and_detach_lru(self, node, comp, target=None, tracker=None):
+        from sglang.srt.mem_cache.unified_cache_components import EvictLayer
+
+        if target is None:
+            target = EvictLayer.DEVICE
+        refs = self.session_ref_tracker
+        if (
+            refs is not None
+            and EvictLayer.DEVICE in target
+            and comp.node_has_component_data(node)
+        ):
+            refs.on_device_evict(node, comp.component_type)
+        return orig(self, node, comp, target=target, tracker=tracker)
+
+    return _evict_component_and_detach_lru
+
+
+def _wrap_check_lru(orig):
+    def _check_lru_linked_list(self, lru, ct, label, errors):
+        integrity = getattr(lru, "integrity_errors", None)
+        if integrity is None:
+            return orig(self, lru, ct, label, errors)
+        errors.extend(integrity(label))
+
+    return _check_lru_linked_list
+
+
+# ---- new public methods -----------------------------------------------------
+
+
+def open_radix_session(self, session_id: str, streaming: bool = False):
+    """Open a session (``/open_session``); returns its generation, or None
+    when session tracking is off or the session is streaming."""
+    tracker = self.session_ref_tracker
+    if tracker is None:
+        return None
+    return tracker.open_radix_session(session_id, streaming=streaming)
+
+
+def release_radix_session(self, session_id: str) -> int:
+    """Close a session (``/close_session``): drop its references; the KV stays
+    cached as ordinary LRU data.  Returns the number of leaf refs dropped."""
+    tracker = self.session_ref_tracker
+    if tracker is None:
+        return 0
+    return tracker.release_radix_session(session_id)
+
+
+def ensure_session_generation(self, req):
+    tracker = self.session_ref_tracker
+    if tracker is None:
+        return None
+    return tracker.ensure_session_generation(req)
+
+
+def validate_session_state(self) -> None:
+    """Recompute all session counts from the leaf indices and check every
+    partitioned LRU; raises ``SessionStateError`` on any mismatch."""
+    from sglang_session_cache.component_refs import SessionStateError
+
+    tracker = self.session_ref_tracker
+    if tracker is None:
+        return
+    tracker.validate_session_state(self._collect_all_nodes())
+    errors = []
+    for label, lists in (("device", self.lru_lists), ("host", self.host_lru_lists)):
+        for lru in lists.values():
+            errors.extend(lru.integrity_errors(label))
+    if errors:
+        raise SessionStateError("; ".join(errors))
+
+
+def apply_unified_cache(module) -> None:
+    cls = module.UnifiedRadixCache
+    if "session_ref_tracker" not in cls.__dict__:
+        cls.session_ref_tracker = None
+        cls._session_insert_capture = None
+    wrap_method(cls, "__init__", _wrap_init)
+    wrap_method(cls, "_reset_full", _wrap_reset_full)
+    wrap_method(cls, "insert", _wrap_insert)
+    wrap_method(cls, "cache_finished_req", _wrap_cache_finished_req)
+    wrap_method(cls, "_split_node", _wrap_split_node)
+    wrap_method(cls, "_remove_leaf_from_parent", _wrap_remove_leaf)
+    wrap_method(cls, "_evict_component_and_detach_lru", _wrap_evict_component)
+    wrap_method(cls, "_check_lru_linked_list", _wrap_check_lru)
+    for fn in (
+        open_radix_session,
+        release_radix_session,
+        ensure_session_generation,
+        validate_session_state,
+    ):
+        add_method(cls, fn.__name__, fn)

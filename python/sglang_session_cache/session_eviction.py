@@ -1,0 +1,134 @@
+"""Session-aware eviction for the unified tree.
+
+* FULL keeps SGLang's leaf heap; only its key changes, to
+  ``(is_referenced, session_ref, configured policy priority)``.
+* SWA and Mamba keep their LRU walks over a ``PartitionedLRUList``; the walk
+  parks a cursor sentinel in front of each victim so it can continue after the
+  eviction reshuffled the list, and it skips nodes whose eviction would take a
+  referenced component of equal or higher priority along (cascade protection).
+  If that pass frees too little, a second pass without the protection runs:
+  references are soft.
+
+The component classes are supplied through ``CacheInitParams.
+component_registry_override`` only when ``--enable-session-radix-cache`` is on.
+"""
+
+from __future__ import annotations
+
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+from sglang.srt.mem_cache.unified_cache_components import (
+    ComponentType,
+    EvictLayer,
+    MambaComponent,
+    SWAComponent,
+)
+
+
+class SessionAwareEvictionStrategy(EvictionStrategy):
+    """Wraps the configured policy: unreferenced leaves first, then the least
+    referenced, then the policy's own order."""
+
+    def __init__(self, base: EvictionStrategy):
+        self.base = base
+
+    def get_priority(self, node):
+        ref = node.component_data[ComponentType.FULL].session_ref
+        return (ref > 0, ref, self.base.get_priority(node))
+
+
+def cascade_blocked(cache, node, trigger) -> bool:
+    """Would evicting ``trigger``'s data on ``node`` drop a referenced
+    component whose own (internal) priority is at least the trigger's, while
+    the trigger's data itself is unreferenced?"""
+    ct = trigger.component_type
+    if node.component_data[ct].session_ref > 0:
+        return False
+    is_leaf = node in cache.evictable_device_leaves
+    trigger_internal = trigger.eviction_priority(is_leaf=False)
+    trigger_now = trigger.eviction_priority(is_leaf)
+    for comp in cache._components_tuple:
+        if comp is trigger:
+            continue
+        if comp.eviction_priority(is_leaf) > trigger_now:
+            continue  # not taken along by this eviction
+        if comp.eviction_priority(is_leaf=False) < trigger_internal:
+            continue  # lower tier: cascading it is the normal rule
+        cd = node.component_data[comp.component_type]
+        if cd.session_ref > 0 and comp.node_has_component_data(node):
+            return True
+    return False
+
+
+class _SessionAwareLRUEviction:
+    """Shared body of the SWA/Mamba eviction walks (composed by delegation
+    from the component subclasses below; holds no state of its own)."""
+
+    @staticmethod
+    def drive(component, request: int, tracker: dict) -> None:
+        cache = component.cache
+        ct = component.component_type
+        lru = cache.lru_lists[ct]
+        for protect in (True, False):
+            if tracker[ct] >= request:
+                return
+            x = lru.get_lru_no_lock()
+            try:
+                while tracker[ct] < request and x is not None:
+                    if protect and cascade_blocked(cache, x, component):
+                        x = lru.get_prev_no_lock(x)
+                        continue
+                    lru.park_cursor_before(x)
+                    if x in cache.evictable_device_leaves:
+                        # D-leaf: atomic eviction of all components
+                        cache._evict_device_leaf(x, tracker)
+                    else:
+                        # Internal: tombstone this component + cascade
+                        cache._evict_component_and_detach_lru(
+                            x, component, target=EvictLayer.DEVICE, tracker=tracker
+                        )
+                        cache._cascade_evict(x, component, tracker)
+                    x = lru.next_from_cursor()
+            finally:
+                lru.detach_cursor()
+
+    @staticmethod
+    def drive_host(component, num_tokens: int, tracker: dict) -> None:
+        cache = component.cache
+        ct = component.component_type
+        host_lru = cache.host_lru_lists[ct]
+        x = host_lru.get_lru_no_host_lock()
+        try:
+            while tracker[ct] < num_tokens and x is not None:
+                host_lru.park_cursor_before(x)
+                if x in cache.evictable_host_leaves:
+                    cache._evict_host_leaf(x, tracker)
+                else:
+                    cache._evict_component_and_detach_lru(
+                        x, component, target=EvictLayer.HOST, tracker=tracker
+                    )
+                    cache._cascade_evict(x, component, tracker, target=EvictLayer.HOST)
+                x = host_lru.next_from_cursor(host=True)
+        finally:
+            host_lru.detach_cursor()
+
+
+class SessionAwareSWAComponent(SWAComponent):
+    def drive_eviction(self, params, tracker):
+        _SessionAwareLRUEviction.drive(self, params.swa_num_tokens, tracker)
+
+    def drive_host_eviction(self, num_tokens, tracker):
+        _SessionAwareLRUEviction.drive_host(self, num_tokens, tracker)
+
+
+class SessionAwareMambaComponent(MambaComponent):
+    def drive_eviction(self, params, tracker):
+        _SessionAwareLRUEviction.drive(self, params.mamba_num, tracker)
+
+    def drive_host_eviction(self, num_tokens, tracker):
+        _SessionAwareLRUEviction.drive_host(self, num_tokens, tracker)
+
+
+SESSION_COMPONENT_REGISTRY = {
+    ComponentType.SWA: SessionAwareSWAComponent,
+    ComponentType.MAMBA: SessionAwareMambaComponent,
+}

@@ -1,0 +1,264 @@
+"""Session lifecycle for ``UnifiedRadixCache``: who is open, which generation a
+request belongs to, and the per-component reference accounting behind it.
+
+The tracker is composed into the cache (``cache.session_ref_tracker``); the
+cache never inherits from it.  Sessions are soft protection: a reference only
+changes eviction order, it never pins memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from sglang_session_cache.component_refs import (
+    ComponentSessionRefs,
+    SessionStateError,
+    make_component_refs,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+# Same logger namespace as the cache, so SGLang's logging config applies.
+logger = logging.getLogger("sglang.srt.mem_cache.unified_radix_cache")
+
+CLOSED_SESSION_TOMBSTONE_LIMIT = 8192
+#: Attribute stamped on a ``Req`` when it arrives for an open session.
+REQ_GENERATION_ATTR = "session_ref_generation"
+
+
+class SessionRefError(ValueError):
+    """Bad session input (empty or non-string id).  Nothing is changed."""
+
+
+def check_session_id(session_id: Any) -> str:
+    if not isinstance(session_id, str):
+        raise SessionRefError(
+            f"session_id must be a non-empty string, got {type(session_id).__name__} "
+            f"{session_id!r}"
+        )
+    if not session_id.strip():
+        raise SessionRefError(f"session_id must be a non-empty string, got {session_id!r}")
+    return session_id
+
+
+def _is_aborted(req: Req) -> bool:
+    reason = getattr(req, "finished_reason", None)
+    return reason is not None and type(reason).__name__ == "FINISH_ABORT"
+
+
+def _is_streaming(req: Req) -> bool:
+    session = getattr(req, "session", None)
+    return session is not None and bool(getattr(session, "streaming", False))
+
+
+@dataclasses.dataclass
+class SessionCounters:
+    """Monotonic counters (exported through the cache's metrics path)."""
+
+    opened: int = 0
+    closed: int = 0
+    registered: int = 0
+    stale_rejected: int = 0
+    late_finish_skipped: int = 0
+
+
+@dataclasses.dataclass
+class UnifiedSessionRefTracker:
+    cache: Any
+    tombstone_limit: int = CLOSED_SESSION_TOMBSTONE_LIMIT
+    # open session id -> generation of its current incarnation
+    generations: dict = dataclasses.field(default_factory=dict)
+    # recently closed ids (oldest first), bounded by tombstone_limit
+    closed: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    # ids opened as streaming sessions; those own their KV another way
+    streaming: set = dataclasses.field(default_factory=set)
+    counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
+    components: dict = dataclasses.field(default_factory=dict)
+    on_ref_change: Optional[Callable] = None
+    _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the tree it described is gone)."""
+        self.generations.clear()
+        self.closed.clear()
+        self.streaming.clear()
+        self.components = {}
+        for ct, comp in self.cache.components.items():
+            refs = make_component_refs(comp, self._ref_changed)
+            if refs is not None:
+                self.components[ct] = refs
+
+    def _ref_changed(self, node, ct) -> None:
+        if self.on_ref_change is not None:
+            self.on_ref_change(node, ct)
+
+    # ---- lifecycle ----
+
+    def open_radix_session(self, session_id: str, streaming: bool = False) -> Optional[int]:
+        """Open (or reopen after close) a session and return its generation.
+        Reopening a closed id clears its tombstone and starts a new generation,
+        so requests still in flight from the old one are rejected on finish.
+        Opening an id that is already open keeps its generation."""
+        sid = check_session_id(session_id)
+        if streaming:
+            self.streaming.add(sid)
+            return None
+        gen = self.generations.get(sid)
+        if gen is not None:
+            return gen
+        self.closed.pop(sid, None)
+        gen = next(self._next_generation)
+        self.generations[sid] = gen
+        self.counters.opened += 1
+        logger.debug("session %s opened (generation %d)", sid, gen)
+        return gen
+
+    def ensure_session_generation(self, req: Req) -> Optional[int]:
+        """Stamp a top-level ``session_id`` request with its session's current
+        generation, opening the session implicitly if needed.  Requests
+        without a session, streaming ones and aborted ones are left alone."""
+        sid = getattr(req, "session_id", None)
+        if sid is None or _is_streaming(req) or _is_aborted(req):
+            return None
+        existing = getattr(req, REQ_GENERATION_ATTR, None)
+        if existing is not None:
+            return existing
+        sid = check_session_id(sid)
+        if sid in self.streaming:
+            return None
+        gen = self.open_radix_session(sid)
+        setattr(req, REQ_GENERATION_ATTR, gen)
+        return gen
+
+    def should_register(self, req: Req) -> bool:
+        """Cheap pre-check used before the insert, no side effects."""
+        sid = getattr(req, "session_id", None)
+        return (
+            isinstance(sid, str)
+            and bool(sid.strip())
+            and not _is_streaming(req)
+            and not _is_aborted(req)
+            and sid not in self.streaming
+        )
+
+    def register_session_ref(self, req: Req, leaf) -> bool:
+        """Reference ``leaf`` (the node the finished request's insert ended on)
+        for the request's session.  Returns whether a reference was added."""
+        if not self.should_register(req):
+            return False
+        sid = req.session_id
+        if leaf is None or leaf is self.cache.root_node or leaf.parent is None:
+            return False
+        current = self.generations.get(sid)
+        gen = getattr(req, REQ_GENERATION_ATTR, None)
+        if current is None:
+            if sid in self.closed or gen is not None:
+                # Finished after its session was closed: register nothing.
+                self.counters.late_finish_skipped += 1
+                logger.debug("request %s finished after session %s closed; not referenced",
+                             getattr(req, "rid", "?"), sid)
+                return False
+            current = self.open_radix_session(sid)
+            gen = current
+        if gen is None:
+            gen = current
+        if gen != current:
+            self.counters.stale_rejected += 1
+            logger.warning(
+                "Session %s: request %s belongs to generation %d but the session is "
+                "at generation %d (closed and reopened meanwhile); its KV stays cached "
+                "but is not referenced by the session.",
+                sid, getattr(req, "rid", "?"), gen, current,
+            )
+            return False
+        for refs in self.components.values():
+            refs.register_session_leaf(sid, leaf)
+        self.counters.registered += 1
+        return True
+
+    def release_radix_session(self, session_id: str) -> int:
+        """Close: drop every reference of the session.  KV stays cached and
+        becomes ordinary unreferenced LRU data.  Idempotent; closing an id that
+        was never opened is logged and remembered so late finishes register
+        nothing.  Returns the number of leaf references dropped."""
+        sid = check_session_id(session_id)
+        self.streaming.discard(sid)
+        if sid not in self.generations:
+            if sid in self.closed:
+                logger.debug("session %s already closed; nothing to release", sid)
+            else:
+                logger.warning(
+                    "close_session for unknown session %r: nothing to release", sid
+                )
+                self._remember_closed(sid)
+            return 0
+        del self.generations[sid]
+        released = 0
+        for refs in self.components.values():
+            released += refs.release_session(sid)
+        self._remember_closed(sid)
+        self.counters.closed += 1
+        logger.debug("session %s closed: released %d leaf references", sid, released)
+        return released
+
+    def _remember_closed(self, sid: str) -> None:
+        self.closed[sid] = None
+        self.closed.move_to_end(sid)
+        while len(self.closed) > self.tombstone_limit:
+            self.closed.popitem(last=False)
+
+    # ---- tree events (called from the cache hooks) ----
+
+    def on_split(self, new_parent, child) -> None:
+        for refs in self.components.values():
+            refs.on_split(new_parent, child)
+
+    def on_node_deleted(self, node) -> None:
+        for refs in self.components.values():
+            refs.discard_deleted_session_leaf(node)
+
+    def on_device_evict(self, node, ct) -> None:
+        refs = self.components.get(ct)
+        if refs is not None and refs.relocate_on_device_evict:
+            refs.discard_deleted_session_leaf(node)
+
+    # ---- introspection ----
+
+    def open_sessions(self) -> list[str]:
+        return list(self.generations)
+
+    def session_leaves(self, session_id: str, ct=0) -> set:
+        refs: ComponentSessionRefs = self.components[ct]
+        return set(refs.leaves.get(session_id, ()))
+
+    def validate_session_state(self, nodes: Optional[list] = None) -> None:
+        """Recompute every count from the leaf indices; raise
+        ``SessionStateError`` on the first mismatch."""
+        if nodes is None:
+            nodes = self.cache._collect_all_nodes()
+        for refs in self.components.values():
+            refs.validate(nodes)
+        for refs in self.components.values():
+            for sid in refs.leaves:
+                if sid not in self.generations:
+                    raise SessionStateError(
+                        f"[{refs.ct}] closed or unknown session {sid!r} still holds leaves"
+                    )
+
+
+__all__ = [
+    "CLOSED_SESSION_TOMBSTONE_LIMIT",
+    "REQ_GENERATION_ATTR",
+    "SessionRefError",
+    "SessionStateError",
+    "UnifiedSessionRefTracker",
+    "check_session_id",
+]
