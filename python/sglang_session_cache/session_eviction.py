@@ -1,7 +1,7 @@
 """Session-aware eviction for the unified tree.
 
-* FULL keeps SGLang's leaf heap; only its key changes, to
-  ``(is_referenced, session_ref, configured policy priority)``.
+* FULL keeps SGLang's leaf heap (rebuilt per eviction, as in 0.5.16); only its
+  key changes, to ``(is_referenced, session_ref, configured policy priority)``.
 * SWA and Mamba keep their LRU walks over a ``PartitionedLRUList``; the walk
   parks a cursor sentinel in front of each victim so it can continue after the
   eviction reshuffled the list, and it skips nodes whose eviction would take a
@@ -15,25 +15,62 @@ component_registry_override`` only when ``--enable-session-radix-cache`` is on.
 
 from __future__ import annotations
 
-from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+import heapq
+
 from sglang.srt.mem_cache.unified_cache_components import (
     ComponentType,
     EvictLayer,
+    FullComponent,
     MambaComponent,
     SWAComponent,
 )
 
 
-class SessionAwareEvictionStrategy(EvictionStrategy):
-    """Wraps the configured policy: unreferenced leaves first, then the least
-    referenced, then the policy's own order."""
+def _full_heap_drive(component, leaves: set, evict_leaf, request: int, tracker: dict) -> None:
+    """SGLang's FULL leaf-heap loop with the session key.
 
-    def __init__(self, base: EvictionStrategy):
-        self.base = base
+    The key is ``(is_referenced, session_ref, policy priority)``.  Because
+    ``session_ref`` is a non-negative count, ``is_referenced`` is implied by it,
+    so the heap stores the order-identical flat ``(session_ref, priority, node)``
+    — one extra int compared per step — reading the count mirrored on the node
+    (``full_session_ref``) so building the heap touches no extra objects."""
+    get_priority = component.cache.eviction_strategy.get_priority
+    ct = component.component_type
+    heap = [(n.full_session_ref, get_priority(n), n) for n in leaves]
+    heapq.heapify(heap)
+    while tracker[ct] < request and heap:
+        x = heapq.heappop(heap)[2]
+        if x not in leaves:
+            continue
+        evict_leaf(x, tracker)
+        parent = x.parent
+        if parent is not None and parent in leaves:
+            heapq.heappush(
+                heap,
+                (parent.full_session_ref, get_priority(parent), parent),
+            )
 
-    def get_priority(self, node):
-        ref = node.component_data[ComponentType.FULL].session_ref
-        return (ref > 0, ref, self.base.get_priority(node))
+
+def full_eviction_key(cache, node):
+    """The FULL eviction key as the design states it (used by tests/docs)."""
+    ref = node.component_data[0].session_ref
+    return (ref > 0, ref, cache.eviction_strategy.get_priority(node))
+
+
+class SessionAwareFullComponent(FullComponent):
+    def drive_eviction(self, params, tracker):
+        cache = self.cache
+        _full_heap_drive(
+            self, cache.evictable_device_leaves, cache._evict_device_leaf,
+            params.num_tokens, tracker,
+        )
+
+    def drive_host_eviction(self, num_tokens, tracker):
+        cache = self.cache
+        _full_heap_drive(
+            self, cache.evictable_host_leaves, cache._evict_host_leaf,
+            num_tokens, tracker,
+        )
 
 
 def cascade_blocked(cache, node, trigger) -> bool:
@@ -129,6 +166,7 @@ class SessionAwareMambaComponent(MambaComponent):
 
 
 SESSION_COMPONENT_REGISTRY = {
+    ComponentType.FULL: SessionAwareFullComponent,
     ComponentType.SWA: SessionAwareSWAComponent,
     ComponentType.MAMBA: SessionAwareMambaComponent,
 }

@@ -49,10 +49,8 @@ def _install_partitioned_lrus(cache) -> None:
 
 
 def attach_session_tracking(cache) -> None:
-    from sglang_session_cache.session_eviction import SessionAwareEvictionStrategy
     from sglang_session_cache.session_tracker import UnifiedSessionRefTracker
 
-    cache.eviction_strategy = SessionAwareEvictionStrategy(cache.eviction_strategy)
     cache.session_ref_tracker = UnifiedSessionRefTracker(
         cache, on_ref_change=lambda node, ct: _on_ref_change(cache, node, ct)
     )
@@ -245,6 +243,9 @@ def apply_unified_cache(module) -> None:
     if "session_ref_tracker" not in cls.__dict__:
         cls.session_ref_tracker = None
         cls._session_insert_capture = None
+    if not hasattr(module.UnifiedTreeNode, "full_session_ref"):
+        # FULL's session count mirrored on the node for the eviction heap.
+        module.UnifiedTreeNode.full_session_ref = 0
     wrap_method(cls, "__init__", _wrap_init)
     wrap_method(cls, "_reset_full", _wrap_reset_full)
     wrap_method(cls, "insert", _wrap_insert)
