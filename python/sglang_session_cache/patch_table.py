@@ -110,6 +110,46 @@ PATCHES: tuple[Patch, ...] = (
         "their session generation on arrival; bad ids are logged or aborted "
         "instead of crashing the scheduler.",
     ),
+    Patch(
+        name="common.swa_retain_floor",
+        module="sglang.srt.mem_cache.common",
+        targets=("free_swa_out_of_window_slots",),
+        apply="sglang_session_cache.patches.swa_retain_floor:apply_common",
+        why="Accepts retain_floor=None: on the radix path the SWA eviction "
+        "threshold becomes min(threshold, retain_floor), by lowering pre_len "
+        "before calling the original; None and the chunk cache call it unchanged.",
+    ),
+    Patch(
+        name="base_prefix_cache.swa_retain_floor",
+        module="sglang.srt.mem_cache.base_prefix_cache",
+        targets=("BasePrefixCache.swa_retain_floor (new)",),
+        apply="sglang_session_cache.patches.swa_retain_floor:apply_base_prefix_cache",
+        why="Default: no SWA retain floor (None), so every other cache keeps "
+        "evicting relative to the tail.",
+    ),
+    Patch(
+        name="unified_radix_cache.swa_retain_floor",
+        module="sglang.srt.mem_cache.unified_radix_cache",
+        targets=("UnifiedRadixCache.swa_retain_floor (new)",),
+        apply="sglang_session_cache.patches.swa_retain_floor:apply_unified_radix_cache",
+        why="With SWA + Mamba, matches end at the last Mamba checkpoint: keep "
+        "SWA KV from mamba_last_track_seqlen - sliding_window_size so the window "
+        "under it survives decode and the next turn reuses decoded tokens.",
+    ),
+    Patch(
+        name="swa_component.swa_retain_floor",
+        module="sglang.srt.mem_cache.unified_cache_components.swa_component",
+        targets=("SWAComponent.free_out_of_window_slots",),
+        apply="sglang_session_cache.patches.swa_retain_floor:apply_swa_component",
+        why="The chunked-prefill eviction path passes the cache's retain floor.",
+    ),
+    Patch(
+        name="schedule_batch.swa_retain_floor",
+        module="sglang.srt.managers.schedule_batch",
+        targets=("ScheduleBatch._evict_swa",),
+        apply="sglang_session_cache.patches.swa_retain_floor:apply_schedule_batch",
+        why="Decode-side SWA eviction passes the tree cache's retain floor.",
+    ),
 )
 
 
