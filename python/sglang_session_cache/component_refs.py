@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedTreeNode
 
 
+def _ignore(node, ct) -> None:
+    return None
+
+
 class SessionStateError(AssertionError):
     """Raised by the validator when stored counts disagree with the leaf index."""
 
@@ -54,6 +58,7 @@ class ComponentSessionRefs(ABC):
     #: the eviction heap reads it for every evictable leaf, and a field on the
     #: node costs no extra memory hop where ``component_data[0]`` costs two.
     mirror_on_node = False
+    notify_ref_change = True
 
     def __init__(
         self,
@@ -63,7 +68,9 @@ class ComponentSessionRefs(ABC):
         self.component = component
         self.ct = component.component_type
         self.cache = component.cache
-        self._on_ref_change = on_ref_change
+        # FULL is ordered by the leaf heap, which reads counts at eviction
+        # time; only LRU-driven components need to hear about flips.
+        self._on_ref_change = on_ref_change if self.notify_ref_change else _ignore
         # Per-session leaf index: session_id -> set of leaf nodes.
         self.leaves: dict[str, set] = {}
 
@@ -176,29 +183,60 @@ class ComponentSessionRefs(ABC):
                     cd.session_leaf_of = None
         return len(leaves)
 
-    def discard_deleted_session_leaf(self, node: UnifiedTreeNode) -> None:
-        """``node`` is losing this component (deleted, or its state evicted
-        for components that relocate).  Each session holding it as a leaf
-        moves its reference to the nearest reusable ancestor; a session whose
-        walk reaches the root simply loses that leaf."""
+    def discard_deleted_session_leaf(
+        self, node: UnifiedTreeNode, node_deleted: bool = True
+    ) -> None:
+        """``node`` is losing this component: it is being deleted from the
+        tree, or (``node_deleted=False``, relocating components only) its
+        state was evicted in place.  Each session holding it as a leaf moves
+        its reference to the nearest reusable ancestor; a session whose walk
+        reaches the root simply loses that leaf.
+
+        A deleted node is a childless leaf, so only its own sessions cover it:
+        its counts are dropped wholesale instead of one by one."""
         cd = node.component_data[self.ct]
         sids = cd.session_leaf_of
         if not sids:
             return
+        # Wholesale drop relies on nothing below covering the node.
+        node_deleted = node_deleted and not node.children
         target = self._nearest_reusable_ancestor(node)
-        old_cover = self.covered(node)
-        for sid in tuple(sids):
-            self._unindex_leaf(sid, node)
-            idx = self.leaves.get(sid)
-            if target is None or (idx is not None and target in idx):
-                self._apply_delta(sid, (), old_cover)
-                continue
-            added, removed = self._relocation_delta(node, target, old_cover)
-            self._apply_delta(sid, added, removed)
-            self._index_leaf(sid, target)
+        cd.session_leaf_of = None
+        moved = None  # (added, removed): the same for every session
+        for sid in sids:
+            idx = self.leaves[sid]
+            idx.discard(node)
+            if target is None or target in idx:
+                removed = self.covered(node)
+                if node_deleted:
+                    removed = removed[1:]  # covered() starts with the leaf
+                self._apply_delta(sid, (), removed)
+            else:
+                if moved is None:
+                    moved = self._relocation_delta(node, target, node_deleted)
+                self._apply_delta(sid, *moved)
+                idx.add(target)
+                tcd = target.component_data[self.ct]
+                if tcd.session_leaf_of is None:
+                    tcd.session_leaf_of = set()
+                tcd.session_leaf_of.add(sid)
+            if not idx:
+                del self.leaves[sid]
+        if node_deleted and cd.session_ids is not None:
+            cd.session_ids = None
+            cd.session_ref = 0
+            if self.mirror_on_node:
+                node.full_session_ref = 0
 
-    def _relocation_delta(self, node, target, old_cover):
-        return self.covered(target), old_cover
+    def _relocation_delta(self, node, target, node_deleted):
+        """(nodes gaining, nodes losing) a reference when a leaf moves from
+        ``node`` up to ``target``; a deleted ``node`` is left out (its counts
+        are dropped wholesale)."""
+        new, old = self.covered(target), self.covered(node)
+        new_set, old_set = set(new), set(old)
+        added = [n for n in new if n not in old_set]
+        removed = [n for n in old if n not in new_set and not (node_deleted and n is node)]
+        return added, removed
 
     def _nearest_reusable_ancestor(self, node: UnifiedTreeNode):
         root = self.cache.root_node
@@ -306,6 +344,7 @@ class FullSessionRefs(ComponentSessionRefs):
     """FULL: every node from the leaf to the root is needed to reuse it."""
 
     mirror_on_node = True
+    notify_ref_change = False
 
     def covered(self, leaf):
         root = self.cache.root_node
@@ -352,11 +391,12 @@ class FullSessionRefs(ComponentSessionRefs):
         cd = node.component_data[self.ct]
         return cd.value is not None or cd.host_value is not None
 
-    def _relocation_delta(self, node, target, old_cover):
+    def _relocation_delta(self, node, target, node_deleted):
         # The target is an ancestor, so its path is a suffix of the old one:
-        # only the nodes strictly below it lose this reference.
+        # only the nodes strictly below it lose this reference (none at all
+        # when a deleted leaf hands over to its parent — the common case).
         removed = []
-        cur = node
+        cur = node.parent if node_deleted else node
         while cur is not target:
             removed.append(cur)
             cur = cur.parent
@@ -397,6 +437,25 @@ class SWASessionRefs(ComponentSessionRefs):
     def reusable(self, node):
         cd = node.component_data[0]  # structural: any node still holding FULL
         return cd.value is not None or cd.host_value is not None
+
+    def _relocation_delta(self, node, target, node_deleted):
+        if not node_deleted or target is not node.parent:
+            return super()._relocation_delta(node, target, node_deleted)
+        # Moving from a deleted leaf to its parent only widens the window:
+        # parent-side nodes within reach of the parent but not of the old leaf
+        # gain a reference; nothing above loses one.
+        root = self.cache.root_node
+        window = self.window
+        below = len(node.key)
+        added = []
+        acc = 0
+        cur = target
+        while cur is not None and cur is not root and acc < window:
+            if acc + below >= window:
+                added.append(cur)
+            acc += len(cur.key)
+            cur = cur.parent
+        return added, ()
 
 
 class MambaSessionRefs(ComponentSessionRefs):

@@ -79,6 +79,7 @@ class UnifiedSessionRefTracker:
     streaming: set = dataclasses.field(default_factory=set)
     counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
     components: dict = dataclasses.field(default_factory=dict)
+    relocating: frozenset = frozenset()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
 
@@ -91,14 +92,16 @@ class UnifiedSessionRefTracker:
         self.closed.clear()
         self.streaming.clear()
         self.components = {}
+        notify = self.on_ref_change or (lambda node, ct: None)
         for ct, comp in self.cache.components.items():
-            refs = make_component_refs(comp, self._ref_changed)
+            refs = make_component_refs(comp, notify)
             if refs is not None:
                 self.components[ct] = refs
-
-    def _ref_changed(self, node, ct) -> None:
-        if self.on_ref_change is not None:
-            self.on_ref_change(node, ct)
+        # Components whose references follow their data up the tree when it is
+        # evicted in place (checked on every component eviction, so a set).
+        self.relocating = frozenset(
+            ct for ct, refs in self.components.items() if refs.relocate_on_device_evict
+        )
 
     # ---- lifecycle ----
 
@@ -226,9 +229,10 @@ class UnifiedSessionRefTracker:
             refs.discard_deleted_session_leaf(node)
 
     def on_device_evict(self, node, ct) -> None:
+        """A component's device data on ``node`` is being freed."""
         refs = self.components.get(ct)
         if refs is not None and refs.relocate_on_device_evict:
-            refs.discard_deleted_session_leaf(node)
+            refs.discard_deleted_session_leaf(node, node_deleted=False)
 
     # ---- introspection ----
 

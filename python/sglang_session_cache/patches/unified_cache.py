@@ -9,6 +9,7 @@ to SGLang's own code otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 from sglang_session_cache.patches._wrap import add_method, wrap_method
@@ -30,12 +31,9 @@ def apply_component_data(module) -> None:
 
 
 def _on_ref_change(cache, node, ct) -> None:
-    from sglang_session_cache.partitioned_lru import PartitionedLRUList
-
-    for lists in (cache.lru_lists, cache.host_lru_lists):
-        lru = lists.get(ct)
-        if isinstance(lru, PartitionedLRUList):
-            lru.move_to_partition(node)
+    # Both lists are PartitionedLRUList once tracking is attached.
+    cache.lru_lists[ct].move_to_partition(node)
+    cache.host_lru_lists[ct].move_to_partition(node)
 
 
 def _install_partitioned_lrus(cache) -> None:
@@ -52,7 +50,7 @@ def attach_session_tracking(cache) -> None:
     from sglang_session_cache.session_tracker import UnifiedSessionRefTracker
 
     cache.session_ref_tracker = UnifiedSessionRefTracker(
-        cache, on_ref_change=lambda node, ct: _on_ref_change(cache, node, ct)
+        cache, on_ref_change=functools.partial(_on_ref_change, cache)
     )
     _install_partitioned_lrus(cache)
     logger.info(
@@ -166,15 +164,16 @@ def _wrap_remove_leaf(orig):
 
 
 def _wrap_evict_component(orig):
-    def _evict_component_and_detach_lru(self, node, comp, target=None, tracker=None):
-        from sglang.srt.mem_cache.unified_cache_components import EvictLayer
+    from sglang.srt.mem_cache.unified_cache_components import EvictLayer
 
-        if target is None:
-            target = EvictLayer.DEVICE
+    device = EvictLayer.DEVICE
+
+    def _evict_component_and_detach_lru(self, node, comp, target=device, tracker=None):
         refs = self.session_ref_tracker
         if (
             refs is not None
-            and EvictLayer.DEVICE in target
+            and comp.component_type in refs.relocating
+            and target & device
             and comp.node_has_component_data(node)
         ):
             refs.on_device_evict(node, comp.component_type)

@@ -1,0 +1,200 @@
+"""Per-eviction cost with the session cache off and on, side by side.
+
+Builds real ``UnifiedRadixCache`` trees (FULL, and FULL+SWA for the LRU walk)
+with 10k and 100k leaves, references 0 %, 50 % or 100 % of the leaves through
+the session tracker, then times single-leaf evictions. Off and on caches are
+measured alternately, eviction by eviction, and each cell's ratio is the
+median of the paired on/off ratios, so machine drift cancels out.
+
+    python -m sglang_session_cache.bench.eviction_cost [--nodes 10000,100000]
+
+Target (issue 4): flag-on within 1.2x of flag-off in every cell, flat in the
+referenced fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from array import array
+
+FRACTIONS = (0.0, 0.5, 1.0)
+TOKENS_PER_LEAF = 4
+GROUPS = 64  # leaves hang under 64 shared two-token prefixes
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build(kind: str, n_leaves: int, enable_session: bool):
+    """A tree of ``n_leaves`` leaves inserted straight into the real cache."""
+    import torch
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_session_cache.harness import make_full_cache, make_swa_cache
+
+    tokens = n_leaves * TOKENS_PER_LEAF + 4 * GROUPS + 64
+    if kind == "full":
+        h = make_full_cache(num_tokens=tokens, enable_session=enable_session, head_dim=1)
+    else:
+        h = make_swa_cache(num_tokens=tokens, page_size=1, sliding_window_size=2,
+                           enable_session=enable_session, head_dim=1)
+    cache, alloc = h.cache, h.allocator
+    leaves = []
+    for i in range(n_leaves):
+        g = i % GROUPS
+        ids = array("q", [g + 1, g + 1, 10_000 + i, 10_001 + i])
+        value = alloc.alloc(TOKENS_PER_LEAF).to(torch.int64)
+        cache.insert(InsertParams(key=RadixKey(ids), value=value))
+        leaves.append(ids)
+    return h, leaves
+
+
+def reference(h, leaves, fraction: float, seed: int = 0) -> int:
+    """Give ``fraction`` of the leaves a one-session reference each."""
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang_session_cache.patches.unified_cache import _locate
+
+    tracker = h.cache.session_ref_tracker
+    if tracker is None:
+        return 0
+    rng = random.Random(seed)
+    count = 0
+    for i, ids in enumerate(leaves):
+        sid = f"s{i}"
+        want = rng.random() < fraction
+        if want and sid not in tracker.generations:
+            node = _locate(h.cache, RadixKey(ids))
+            if node is None:
+                continue  # already evicted by an earlier cell
+            tracker.open_radix_session(sid)
+            for refs in tracker.components.values():
+                refs.register_session_leaf(sid, node)
+        if sid in tracker.generations:
+            count += 1
+    return count
+
+
+def evict_once(h, kind: str) -> float:
+    """Seconds for one single-token eviction.
+
+    FULL: the whole ``cache.evict`` call (0.5.16 rebuilds the leaf heap on
+    every call). SWA: the SWA component's LRU walk alone — ``cache.evict``
+    would also rebuild the FULL heap, which would hide the walk's cost."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    cache = h.cache
+    if kind == "full":
+        params = EvictParams(num_tokens=1)
+        start = time.perf_counter()
+        cache.evict(params)
+        return time.perf_counter() - start
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+
+    comp = cache.components[ComponentType.SWA]
+    params = EvictParams(num_tokens=0, swa_num_tokens=1)
+    tracker = {ct: 0 for ct in cache.tree_components}
+    start = time.perf_counter()
+    comp.drive_eviction(params, tracker)
+    return time.perf_counter() - start
+
+
+def run(nodes=(10_000, 100_000), kinds=("full", "swa"), rounds=5, seed=0) -> list[dict]:
+    import logging
+
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    rows = []
+    for kind in kinds:
+        for n in nodes:
+            # Off and on alternate eviction by eviction (A B A B ...); each
+            # pair gives one ratio.  FULL costs O(leaves) per call, so fewer
+            # pairs are needed for a stable median at 100k.
+            pairs = rounds * (2 if kind == "full" and n >= 50_000 else 8 if kind == "full" else 100)
+            for frac in FRACTIONS:
+                # Fresh, identical trees per cell: both sides evict the same
+                # kind of nodes, so the ratio isolates the session machinery.
+                t0 = time.perf_counter()
+                off, leaves = build(kind, n, enable_session=False)
+                on, _ = build(kind, n, enable_session=True)
+                referenced = reference(on, leaves, frac, seed)
+                _log(f"[{kind} n={n} ref={frac:.0%}] built two trees in "
+                     f"{time.perf_counter() - t0:.1f}s")
+                offs, ons, ratios = [], [], []
+                for i in range(pairs):
+                    if i % 2:  # alternate who goes first
+                        b = evict_once(on, kind)
+                        a = evict_once(off, kind)
+                    else:
+                        a = evict_once(off, kind)
+                        b = evict_once(on, kind)
+                    offs.append(a)
+                    ons.append(b)
+                    ratios.append(b / a)
+                on.cache.validate_session_state()
+                row = {
+                    "component": kind,
+                    "nodes": n,
+                    "referenced_fraction": frac,
+                    "referenced_leaves": referenced,
+                    "off_us": statistics.median(offs) * 1e6,
+                    "on_us": statistics.median(ons) * 1e6,
+                    "ratio": statistics.median(ratios),
+                    "ratio_q1": statistics.quantiles(ratios, n=4)[0],
+                    "ratio_q3": statistics.quantiles(ratios, n=4)[2],
+                    "pairs": pairs,
+                }
+                rows.append(row)
+                _log(f"[{kind} n={n} ref={frac:.0%}] off {row['off_us']:.0f}us "
+                     f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f}")
+                del off, on
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "Per-eviction cost, session cache off vs on (median of paired on/off ratios)",
+        f"{'component':<10}{'nodes':>8}{'ref %':>7}{'off us':>11}{'on us':>11}"
+        f"{'on/off':>8}{'IQR':>13}{'pairs':>7}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['component']:<10}{r['nodes']:>8}{r['referenced_fraction']*100:>6.0f}%"
+            f"{r['off_us']:>11.1f}{r['on_us']:>11.1f}{r['ratio']:>8.2f}"
+            f"{r['ratio_q1']:>7.2f}-{r['ratio_q3']:<5.2f}{r['pairs']:>7}"
+        )
+    worst = max(r["ratio"] for r in rows)
+    lines.append(f"worst cell on/off: {worst:.2f} (target <= 1.20)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", default="10000,100000", help="comma-separated leaf counts")
+    p.add_argument("--components", default="full,swa", help="full and/or swa")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+    rows = run(
+        nodes=tuple(int(x) for x in args.nodes.split(",")),
+        kinds=tuple(args.components.split(",")),
+        rounds=args.rounds,
+        seed=args.seed,
+    )
+    print(format_table(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""The per-eviction cost benchmark runs end to end on tiny trees (no timing
+assertions here: the targets live in the benchmark's own output)."""
+
+from sglang_session_cache.bench import eviction_cost
+
+
+def test_eviction_cost_benchmark_smoke(capsys, tmp_path):
+    out = tmp_path / "rows.json"
+    assert eviction_cost.main(["--nodes", "300", "--rounds", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "worst cell on/off" in text
+    rows = __import__("json").loads(out.read_text())
+    assert {(r["component"], r["referenced_fraction"]) for r in rows} == {
+        (c, f) for c in ("full", "swa") for f in (0.0, 0.5, 1.0)
+    }
+    for r in rows:
+        assert r["off_us"] > 0 and r["on_us"] > 0 and r["pairs"] > 0
+        if r["referenced_fraction"] == 1.0:
+            assert r["referenced_leaves"] == 300
+        if r["referenced_fraction"] == 0.0:
+            assert r["referenced_leaves"] == 0
