@@ -13,7 +13,14 @@ over them.  The consequences:
   scan — soft protection at the cost of one extra hop;
 * a node whose reference state flips moves partitions in O(1);
 * ``cursor`` marks the walk position while the node in front of it is evicted,
-  so the walk survives neighbours being unlinked or moving partitions.
+  so the walk survives neighbours being unlinked or moving partitions;
+* moves between partitions keep recency: every MRU placement stamps the node
+  with a list-wide counter (exactly when a plain LRU would move it to the
+  front), and a node changing partition is inserted at its stamp's position.
+  After all sessions close, the list order equals the plain LRU order of the
+  same history.  The insertion is O(1) when the node is newer or older than
+  everything in the target partition (fresh registrations, cold sessions
+  closing) and otherwise walks from the nearer end (by stamp).
 
 Only caches with ``--enable-session-radix-cache`` use this class; the stock
 ``UnifiedLRUList`` is untouched otherwise.
@@ -38,6 +45,7 @@ class PartitionedLRUList(UnifiedLRUList):
         self.mid = _make_sentinel(tree_components)
         self.cursor = _make_sentinel(tree_components)
         self._add_node_after(self.head, self.mid)
+        self._clock = 0  # recency stamps: larger = more recent
 
     def is_referenced(self, node: UnifiedTreeNode) -> bool:
         return node.component_data[self.component_type].session_ref > 0
@@ -45,19 +53,33 @@ class PartitionedLRUList(UnifiedLRUList):
     def _partition_head(self, node: UnifiedTreeNode) -> UnifiedTreeNode:
         return self.head if self.is_referenced(node) else self.mid
 
-    # insert_mru / reset_node_mru both go through _add_node.
+    # Stamps live on the node, one slot per list pointer slot (device and
+    # host lists of every component), so they vanish with the node.
+    def _set_stamp(self, node: UnifiedTreeNode, stamp: int) -> None:
+        slots = node.__dict__.get("lru_stamp")
+        if slots is None:
+            slots = node.lru_stamp = [0] * len(node.lru_prev)
+        slots[self._pt] = stamp
+
+    def stamp_of(self, node: UnifiedTreeNode) -> int:
+        return node.lru_stamp[self._pt]
+
+    # insert_mru / reset_node_mru both go through _add_node: an MRU placement.
     def _add_node(self, node: UnifiedTreeNode):
+        self._clock += 1
+        self._set_stamp(node, self._clock)
         self._add_node_after(self._partition_head(node), node)
 
-    def move_to_partition(self, node: UnifiedTreeNode) -> None:
-        """Re-home ``node`` at the MRU end of the partition its reference
-        state now calls for.  O(1); no-op when the node is not listed."""
-        if node.id in self.cache:
-            self._remove_node(node)
-            self._add_node(node)
+    def _stamp_chain(self, placed: list) -> None:
+        # A chain placed front-to-back is newest first: decreasing stamps,
+        # all newer than anything stamped before.
+        self._clock += len(placed)
+        for i, n in enumerate(placed):
+            self._set_stamp(n, self._clock - i)
 
     def reset_node_and_parents_mru(self, node, root_node, should_include):
         prev = {True: self.head, False: self.mid}
+        placed = []
         while node != root_node:
             if should_include(node):
                 assert node.id in self.cache
@@ -65,12 +87,15 @@ class PartitionedLRUList(UnifiedLRUList):
                 side = self.is_referenced(node)
                 self._add_node_after(prev[side], node)
                 prev[side] = node
+                placed.append(node)
             node = node.parent
+        self._stamp_chain(placed)
 
     def reset_node_and_window_ancestors_mru(
         self, node, root_node, window_size, should_include
     ):
         prev = {True: self.head, False: self.mid}
+        placed = []
         accumulated = 0
         while node != root_node and accumulated < window_size:
             if should_include(node):
@@ -79,8 +104,55 @@ class PartitionedLRUList(UnifiedLRUList):
                 side = self.is_referenced(node)
                 self._add_node_after(prev[side], node)
                 prev[side] = node
+                placed.append(node)
             accumulated += len(node.key)
             node = node.parent
+        self._stamp_chain(placed)
+
+    # ---- partition moves ----
+
+    def _partition_bounds(self, referenced: bool):
+        return (self.head, self.mid) if referenced else (self.mid, self.tail)
+
+    def move_to_partition(self, node: UnifiedTreeNode) -> None:
+        """Move ``node`` into the partition its reference state now calls
+        for, at the position its recency stamp gives it (not at the MRU end:
+        a just-closed cold session must not jump ahead of warm unreferenced
+        KV).  No-op when the node is not listed."""
+        if node.id not in self.cache:
+            return
+        self._remove_node(node)
+        self._insert_by_stamp(node, node.lru_stamp[self._pt])
+
+    def _insert_by_stamp(self, node: UnifiedTreeNode, stamp: int) -> None:
+        pt = self._pt
+        start, end = self._partition_bounds(self.is_referenced(node))
+        # Stamps decrease from start (MRU) to end (LRU); the cursor sentinel
+        # may sit inside a partition during an eviction walk and has no stamp.
+        first = start.lru_next[pt]
+        while first is self.cursor:
+            first = first.lru_next[pt]
+        if first is end or stamp >= first.lru_stamp[pt]:
+            self._add_node_after(start, node)
+            return
+        last = end.lru_prev[pt]
+        while last is self.cursor:
+            last = last.lru_prev[pt]
+        if stamp <= last.lru_stamp[pt]:
+            self._add_node_after(end.lru_prev[pt], node)
+            return
+        if first.lru_stamp[pt] - stamp <= stamp - last.lru_stamp[pt]:
+            # Nearer the MRU end: walk down to the first older node.
+            x = first
+            while x is self.cursor or x.lru_stamp[pt] > stamp:
+                x = x.lru_next[pt]
+            self._add_node_after(x.lru_prev[pt], node)
+        else:
+            # Nearer the LRU end: walk up to the first newer node.
+            x = last
+            while x is self.cursor or x.lru_stamp[pt] < stamp:
+                x = x.lru_prev[pt]
+            self._add_node_after(x, node)
 
     # ---- cursor ----
 
@@ -117,6 +189,7 @@ class PartitionedLRUList(UnifiedLRUList):
         prev = self.head
         seen = set()
         past_mid = False
+        last_stamp, crossed = None, True
         x = self.head.lru_next[pt]
         while x is not None and x is not self.tail:
             if x.lru_prev[pt] is not prev:
@@ -125,6 +198,7 @@ class PartitionedLRUList(UnifiedLRUList):
                 if past_mid:
                     errors.append(f"[{label}][{ct}] mid sentinel seen twice")
                 past_mid = True
+                crossed = True  # recency restarts in the other partition
             elif x is self.cursor:
                 errors.append(f"[{label}][{ct}] cursor left linked after a walk")
             else:
@@ -134,6 +208,16 @@ class PartitionedLRUList(UnifiedLRUList):
                     errors.append(f"[{label}][{ct}] cycle at node {x.id}")
                     break
                 seen.add(x.id)
+                stamps = x.__dict__.get("lru_stamp")
+                stamp = stamps[pt] if stamps is not None else None
+                if stamp is None:
+                    errors.append(f"[{label}][{ct}] node {x.id} has no recency stamp")
+                elif last_stamp is not None and stamp >= last_stamp and not crossed:
+                    errors.append(
+                        f"[{label}][{ct}] node {x.id} is out of recency order "
+                        f"({stamp} after {last_stamp})"
+                    )
+                last_stamp, crossed = stamp, False
                 if self.is_referenced(x) == past_mid:
                     side = "unreferenced" if past_mid else "referenced"
                     errors.append(
