@@ -96,73 +96,70 @@ def cascade_blocked(cache, node, trigger) -> bool:
     return False
 
 
-class _SessionAwareLRUEviction:
-    """Shared body of the SWA/Mamba eviction walks (composed by delegation
-    from the component subclasses below; holds no state of its own)."""
-
-    @staticmethod
-    def drive(component, request: int, tracker: dict) -> None:
-        cache = component.cache
-        ct = component.component_type
-        lru = cache.lru_lists[ct]
-        for protect in (True, False):
-            if tracker[ct] >= request:
-                return
-            x = lru.get_lru_no_lock()
-            try:
-                while tracker[ct] < request and x is not None:
-                    if protect and cascade_blocked(cache, x, component):
-                        x = lru.get_prev_no_lock(x)
-                        continue
-                    lru.park_cursor_before(x)
-                    if x in cache.evictable_device_leaves:
-                        # D-leaf: atomic eviction of all components
-                        cache._evict_device_leaf(x, tracker)
-                    else:
-                        # Internal: tombstone this component + cascade
-                        cache._evict_component_and_detach_lru(
-                            x, component, target=EvictLayer.DEVICE, tracker=tracker
-                        )
-                        cache._cascade_evict(x, component, tracker)
-                    x = lru.next_from_cursor()
-            finally:
-                lru.detach_cursor()
-
-    @staticmethod
-    def drive_host(component, num_tokens: int, tracker: dict) -> None:
-        cache = component.cache
-        ct = component.component_type
-        host_lru = cache.host_lru_lists[ct]
-        x = host_lru.get_lru_no_host_lock()
+def _drive_lru_eviction(component, request: int, tracker: dict) -> None:
+    """Device eviction walk shared by the SWA and Mamba components."""
+    cache = component.cache
+    ct = component.component_type
+    lru = cache.lru_lists[ct]
+    for protect in (True, False):
+        if tracker[ct] >= request:
+            return
+        x = lru.get_lru_no_lock()
         try:
-            while tracker[ct] < num_tokens and x is not None:
-                host_lru.park_cursor_before(x)
-                if x in cache.evictable_host_leaves:
-                    cache._evict_host_leaf(x, tracker)
+            while tracker[ct] < request and x is not None:
+                if protect and cascade_blocked(cache, x, component):
+                    x = lru.get_prev_no_lock(x)
+                    continue
+                lru.park_cursor_before(x)
+                if x in cache.evictable_device_leaves:
+                    # D-leaf: atomic eviction of all components
+                    cache._evict_device_leaf(x, tracker)
                 else:
+                    # Internal: tombstone this component + cascade
                     cache._evict_component_and_detach_lru(
-                        x, component, target=EvictLayer.HOST, tracker=tracker
+                        x, component, target=EvictLayer.DEVICE, tracker=tracker
                     )
-                    cache._cascade_evict(x, component, tracker, target=EvictLayer.HOST)
-                x = host_lru.next_from_cursor(host=True)
+                    cache._cascade_evict(x, component, tracker)
+                x = lru.next_from_cursor()
         finally:
-            host_lru.detach_cursor()
+            lru.detach_cursor()
+
+
+def _drive_host_lru_eviction(component, num_tokens: int, tracker: dict) -> None:
+    """Host (HiCache) eviction walk shared by the SWA and Mamba components."""
+    cache = component.cache
+    ct = component.component_type
+    host_lru = cache.host_lru_lists[ct]
+    x = host_lru.get_lru_no_host_lock()
+    try:
+        while tracker[ct] < num_tokens and x is not None:
+            host_lru.park_cursor_before(x)
+            if x in cache.evictable_host_leaves:
+                cache._evict_host_leaf(x, tracker)
+            else:
+                cache._evict_component_and_detach_lru(
+                    x, component, target=EvictLayer.HOST, tracker=tracker
+                )
+                cache._cascade_evict(x, component, tracker, target=EvictLayer.HOST)
+            x = host_lru.next_from_cursor(host=True)
+    finally:
+        host_lru.detach_cursor()
 
 
 class SessionAwareSWAComponent(SWAComponent):
     def drive_eviction(self, params, tracker):
-        _SessionAwareLRUEviction.drive(self, params.swa_num_tokens, tracker)
+        _drive_lru_eviction(self, params.swa_num_tokens, tracker)
 
     def drive_host_eviction(self, num_tokens, tracker):
-        _SessionAwareLRUEviction.drive_host(self, num_tokens, tracker)
+        _drive_host_lru_eviction(self, num_tokens, tracker)
 
 
 class SessionAwareMambaComponent(MambaComponent):
     def drive_eviction(self, params, tracker):
-        _SessionAwareLRUEviction.drive(self, params.mamba_num, tracker)
+        _drive_lru_eviction(self, params.mamba_num, tracker)
 
     def drive_host_eviction(self, num_tokens, tracker):
-        _SessionAwareLRUEviction.drive_host(self, num_tokens, tracker)
+        _drive_host_lru_eviction(self, num_tokens, tracker)
 
 
 SESSION_COMPONENT_REGISTRY = {
