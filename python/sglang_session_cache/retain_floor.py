@@ -39,6 +39,42 @@ i.e. exactly the clamped threshold, in integers, with every other step of the
 original (the protected-prefix floor, ``max`` with the current frontier, page
 flooring, the frees) unchanged. Hence the frontier still only moves forward
 and stays page aligned.
+
+The tree-side checkpoint (prefill region)
+-----------------------------------------
+``cache_unfinished_req`` (the end of every prefill) inserts the prompt up to
+the Mamba checkpoint the prefill tracked, re-matches it and then
+``MambaComponent.cleanup_after_caching_req`` sets
+``req.mamba_last_track_seqlen = None``; the next request-side checkpoint only
+appears when decode crosses a multiple of ``--mamba-track-interval``. Until
+then the request field says "no checkpoint", although the request's deepest
+resumable Mamba state is right there in the tree: the re-match only stops at a
+node that holds a Mamba value (and a full window of SWA KV below it), and sets
+``req.last_node`` to that node and ``req.cache_protected_len`` to its depth.
+(``len(req.prefix_indices)`` is *not* that depth: after the re-match it also
+covers the request's uncached tail ``[cache_protected_len, fill_len)``.)
+
+So the floor is taken over both checkpoints::
+
+    retain_floor = max(request checkpoint, tree checkpoint) - sliding_window_size
+
+where the tree checkpoint is ``req.cache_protected_len`` when ``req.last_node``
+holds a device Mamba value and the Mamba component tracks checkpoints (extra
+buffer), ``None`` otherwise. Without the extra buffer ``cache_finished_req``
+inserts the whole sequence with the live state at its tail, which
+tail-relative eviction already keeps matchable, and a tree floor there would
+never be overtaken by a request checkpoint (it would pin every decoded SWA
+slot for the request's life), so that mode keeps ``None``.
+
+``free_swa_out_of_window_slots`` never frees below ``cache_protected_len``
+(its own ``evict_floor``): the window under the tree checkpoint is owned and
+locked by the tree and already out of decode-side eviction's reach. What the
+tree checkpoint changes is the first decode steps: the floor is no longer
+``None`` there, so the request keeps ``[cache_protected_len, tail)`` until its
+first decode checkpoint moves the floor forward, exactly as it keeps
+``[checkpoint - window, tail)`` between any two later checkpoints. The extra
+retention stays within ``track_interval + max(page_size, mamba chunk)`` per
+request.
 """
 
 from __future__ import annotations
@@ -73,3 +109,20 @@ def retain_floor_from_checkpoint(
         return None
     return max(0, checkpoint - sliding_window_size)
 
+
+
+def retain_floor_from_checkpoints(
+    request_checkpoint: Optional[int],
+    tree_checkpoint: Optional[int],
+    sliding_window_size: int,
+) -> Optional[int]:
+    """The floor for the deeper of the request-side checkpoint
+    (``req.mamba_last_track_seqlen``) and the tree-side one (the depth of the
+    request's Mamba-holding ``last_node``), minus the window, clamped at 0;
+    ``None`` when neither exists. With ``tree_checkpoint=None`` this is
+    :func:`retain_floor_from_checkpoint` (the request-only floor)."""
+    if tree_checkpoint is None:
+        return retain_floor_from_checkpoint(request_checkpoint, sliding_window_size)
+    if request_checkpoint is None or request_checkpoint < tree_checkpoint:
+        request_checkpoint = tree_checkpoint
+    return max(0, request_checkpoint - sliding_window_size)

@@ -10,7 +10,11 @@ arithmetic and why the seam is exact):
   ``min(threshold, retain_floor)``.
 * ``BasePrefixCache.swa_retain_floor(req)`` returns ``None``;
   ``UnifiedRadixCache.swa_retain_floor(req)`` returns ``checkpoint - window``
-  when the tree has both SWA and Mamba and the request has a checkpoint.
+  when the tree has both SWA and Mamba, where ``checkpoint`` is the deeper of
+  the request's ``mamba_last_track_seqlen`` and (extra-buffer Mamba only) the
+  tree-side checkpoint: ``req.cache_protected_len`` when ``req.last_node``
+  holds a Mamba state. The latter covers the prefill region, where
+  ``cache_unfinished_req`` has just cleared the request field.
 * ``ScheduleBatch._evict_swa`` (decode) and
   ``SWAComponent.free_out_of_window_slots`` (chunked prefill) pass the floor.
 """
@@ -23,6 +27,7 @@ from sglang_session_cache.patches._wrap import add_method, wrap_method
 from sglang_session_cache.retain_floor import (
     clamp_pre_len,
     retain_floor_from_checkpoint,
+    retain_floor_from_checkpoints,
 )
 
 _COMMON = "sglang.srt.mem_cache.common"
@@ -104,12 +109,36 @@ def apply_base_prefix_cache(module) -> None:
 # ---- sglang.srt.mem_cache.unified_radix_cache --------------------------------
 
 
-def _unified_swa_retain_floor(self, req):
-    """``mamba_last_track_seqlen - sliding_window_size`` (at least 0) when the
-    tree holds both SWA and Mamba: a match can only end at a Mamba checkpoint,
-    and the SWA component accepts it only with a full window of SWA KV below
-    it. ``None`` without a checkpoint, for other component sets, or when the
-    cache is disabled (nothing will be inserted)."""
+def _tree_checkpoint(cache, req, mamba_type):
+    """Depth of the request's deepest cached prefix that ends in a Mamba state,
+    or ``None``.
+
+    ``req.last_node`` / ``req.cache_protected_len`` come from the admission
+    match or, after ``cache_unfinished_req``, from its re-match; both only stop
+    at a node whose Mamba value is present (``MambaComponent``'s validator) and
+    ``cache_protected_len`` is that node's depth (``len`` of the matched device
+    indices). The request's lock keeps that value in place. Only with the
+    extra buffer: there decode records later checkpoints that take over; in
+    no-buffer mode the finish insert ends at the live tail and no floor is
+    needed (see ``retain_floor``)."""
+    mamba = cache.components.get(mamba_type)
+    if mamba is None or not mamba.enable_mamba_extra_buffer:
+        return None
+    node = getattr(req, "last_node", None)
+    if node is None or node is cache.root_node:
+        return None
+    data = getattr(node, "component_data", None)
+    if data is None or data[mamba_type].value is None:
+        return None
+    depth = req.cache_protected_len
+    return depth if depth > 0 else None
+
+
+def _request_only_swa_retain_floor(self, req):
+    """The retain floor from the request's own checkpoint only
+    (``mamba_last_track_seqlen - sliding_window_size``): the behaviour before the
+    tree-side checkpoint was added. Not installed on the class; the replay uses
+    it as its "old floor" setting."""
     if self.disable or not (self.supports_swa() and self.supports_mamba()):
         return None
     return retain_floor_from_checkpoint(
@@ -117,8 +146,35 @@ def _unified_swa_retain_floor(self, req):
     )
 
 
+def _make_unified_swa_retain_floor(mamba_type):
+    def swa_retain_floor(self, req):
+        """``max(request checkpoint, tree checkpoint) - sliding_window_size``
+        (at least 0) when the tree holds both SWA and Mamba: a match can only
+        end at a Mamba checkpoint, and the SWA component accepts it only with a
+        full window of SWA KV below it. The request checkpoint is
+        ``mamba_last_track_seqlen``; the tree checkpoint is
+        ``cache_protected_len`` when ``last_node`` holds a Mamba state (extra
+        buffer only). ``None`` without either, for other component sets, or
+        when the cache is disabled (nothing will be inserted)."""
+        if self.disable or not (self.supports_swa() and self.supports_mamba()):
+            return None
+        return retain_floor_from_checkpoints(
+            getattr(req, "mamba_last_track_seqlen", None),
+            _tree_checkpoint(self, req, mamba_type),
+            self.sliding_window_size,
+        )
+
+    return swa_retain_floor
+
+
 def apply_unified_radix_cache(module) -> None:
-    add_method(module.UnifiedRadixCache, "swa_retain_floor", _unified_swa_retain_floor)
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+
+    add_method(
+        module.UnifiedRadixCache,
+        "swa_retain_floor",
+        _make_unified_swa_retain_floor(ComponentType.MAMBA),
+    )
 
 
 # ---- sglang.srt.mem_cache.unified_cache_components.swa_component -------------
