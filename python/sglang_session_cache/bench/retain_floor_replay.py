@@ -4,8 +4,8 @@ what it decoded?
     python -m sglang_session_cache.bench.retain_floor_replay \
         [--requests 32] [--page-size 128] [--track-intervals 256,512]
 
-For each Mamba track interval, and with the floor off and on, a fresh real
-FULL + SWA + MAMBA ``UnifiedRadixCache`` (``SWAKVPool`` +
+For each Mamba track interval and each floor setting (off / old / tree, see
+below), a fresh real FULL + SWA + MAMBA ``UnifiedRadixCache`` (``SWAKVPool`` +
 ``SWATokenToKVPoolAllocator``, ``HybridReqToTokenPool`` with the Mamba
 extra-buffer ping-pong slots, page_size 128) serves two rounds:
 
@@ -25,11 +25,23 @@ Round 1
 Round 2
     each conversation comes back as prompt + round-1 output + a new user turn
     and is matched with ``Req.init_next_round_input``. A *decode-region hit*
-    is a match longer than the original prompt.
+    is a match longer than the original prompt; a *prefill-region hit* is a
+    match that reaches at least the round-1 prompt's last checkpoint (the
+    ``cache_protected_len`` its prefill's ``cache_unfinished_req`` re-match
+    left, i.e. the deepest prompt prefix with a Mamba state in the tree).
 
-"Floor off" replaces the cache's ``swa_retain_floor`` with ``lambda req: None``
-on that one instance: the same patched code, running SGLang's original
-tail-relative eviction.
+Floor settings, all on the same patched code, differing only in the cache
+instance's ``swa_retain_floor``:
+
+``off``
+    ``lambda req: None``: SGLang's original tail-relative eviction.
+``old``
+    the request checkpoint only (``mamba_last_track_seqlen - window``), i.e.
+    the floor before the tree-side checkpoint was added: ``None`` from the end
+    of the prefill until the first decode checkpoint.
+``tree``
+    the installed floor: ``max(mamba_last_track_seqlen, tree checkpoint) -
+    window``, non-``None`` from the first decode step on.
 
 What is not real (no GPU, no model): the paged allocators' Triton
 ``alloc_extend``/``alloc_decode`` kernels are replaced by the same index
@@ -44,6 +56,10 @@ checkpoint of both intervals (the prompt ends 8..240 tokens before a multiple
 of 512, the decode runs 256..480 tokens); a conversation without a checkpoint
 past its prompt has no Mamba state in the decode region and could not hit
 there under any SWA policy. ``eligible`` in the output counts them.
+``--gap LO,HI`` moves the prompt ends (e.g. ``--gap 300,500`` puts them just
+past a checkpoint, so the first decode checkpoint is far away and the three
+floors differ most in what they retain before it; decodes that never reach it
+are then not eligible for decode-region hits).
 """
 
 from __future__ import annotations
@@ -61,6 +77,8 @@ DEFAULT_PAGE_SIZE = 128
 DEFAULT_TRACK_INTERVALS = (256, 512)
 DEFAULT_SLIDING_WINDOW = 128
 DEFAULT_NEW_TURN = 64
+# Tokens between the end of the prompt and the next multiple of 512.
+DEFAULT_GAP = (8, 240)
 # SGLang's FLA_CHUNK_SIZE; ServerArgs.mamba_cache_chunk_size = max(it, page_size).
 FLA_CHUNK_SIZE = 64
 DEVICE = "cpu"
@@ -88,13 +106,19 @@ class Conversation:
 
 
 def make_conversations(
-    n: int, *, seed: int = 0, new_turn: int = DEFAULT_NEW_TURN
+    n: int,
+    *,
+    seed: int = 0,
+    new_turn: int = DEFAULT_NEW_TURN,
+    gap: tuple = DEFAULT_GAP,
 ) -> list[Conversation]:
     rng = random.Random(seed)
+    lo, hi = gap
     convs = []
     for i in range(n):
-        # Prompt ends 8..240 tokens before a multiple of 512 (1024 or 1536).
-        prompt_len = 512 * rng.choice((2, 3)) - rng.randint(8, 240)
+        # Prompt ends lo..hi (default 8..240) tokens before a multiple of 512
+        # (1024 or 1536).
+        prompt_len = 512 * rng.choice((2, 3)) - rng.randint(lo, hi)
         decode_len = rng.randint(256, 480)
         # Distinct first token per conversation: no cross-conversation sharing.
         prompt = (10_000 + i,) + tuple(rng.randint(1, 9_999) for _ in range(prompt_len - 1))
@@ -133,7 +157,7 @@ def build_env(
     track_interval: int,
     sliding_window: int,
     max_context_len: int,
-    floor: bool = True,
+    floor="tree",
 ) -> ReplayEnv:
     """A real FULL + SWA + MAMBA ``UnifiedRadixCache`` with the Mamba extra
     buffer, sized so that nothing is evicted from the tree (the replay measures
@@ -222,9 +246,7 @@ def build_env(
                 ),
             )
         )
-        if not floor:
-            # Same patched code; the floor is simply never set.
-            cache.swa_retain_floor = lambda req: None
+        _set_floor_mode(cache, floor)
         batch = ScheduleBatch(
             reqs=[],
             req_to_token_pool=req_to_token_pool,
@@ -246,6 +268,37 @@ def build_env(
         track_interval=track_interval,
         _server_args_override=override,
     )
+
+
+FLOOR_MODES = ("off", "old", "tree")
+
+
+def floor_mode(floor) -> str:
+    """``True`` -> ``"tree"`` (the installed floor), ``False`` -> ``"off"``."""
+    if floor is True:
+        return "tree"
+    if floor is False:
+        return "off"
+    if floor not in FLOOR_MODES:
+        raise ValueError(f"unknown floor setting {floor!r}; expected one of {FLOOR_MODES}")
+    return floor
+
+
+def _set_floor_mode(cache, floor) -> None:
+    """Point this one cache instance's ``swa_retain_floor`` at the setting."""
+    import types
+
+    from sglang_session_cache.patches import swa_retain_floor as patch
+
+    mode = floor_mode(floor)
+    if mode == "off":
+        # Same patched code; the floor is simply never set.
+        cache.swa_retain_floor = lambda req: None
+    elif mode == "old":
+        cache.swa_retain_floor = types.MethodType(
+            patch._request_only_swa_retain_floor, cache
+        )
+    # "tree": the class's (installed) swa_retain_floor.
 
 
 def new_req(rid: str, token_ids, max_new_tokens: int):
@@ -351,6 +404,9 @@ def mamba_track_after_decode(env: ReplayEnv, req) -> None:
 @dataclass
 class _ReqTrace:
     prompt_len: int
+    # Deepest prompt prefix with a Mamba state in the tree after the prefill
+    # (cache_protected_len after cache_unfinished_req's re-match).
+    prefill_checkpoint: int = 0
     checkpoint_at_finish: Optional[int] = None
     frontier_at_finish: int = 0
     # Sum over decode steps of request-owned live SWA slots.
@@ -366,7 +422,7 @@ def run_setting(
     page_size: int,
     track_interval: int,
     sliding_window: int,
-    floor: bool,
+    floor="tree",
     progress: bool = True,
 ) -> dict:
     """Both rounds on a fresh cache; per-request traces and totals."""
@@ -390,6 +446,7 @@ def run_setting(
         for i, conv in enumerate(convs):
             req = new_req(f"r1-{i}", conv.prompt, conv.decode_len)
             prefill(env, req, conv.outputs[0])
+            traces[i].prefill_checkpoint = req.cache_protected_len
             running.append((i, req))
         forward_iter = 1  # the prefill batch
         while running:
@@ -439,18 +496,25 @@ def run_setting(
         for t in traces
         if t.checkpoint_at_finish is not None and t.checkpoint_at_finish > t.prompt_len
     )
+    prefill_eligible = sum(1 for t in traces if t.prefill_checkpoint > 0)
+    prefill_hits = sum(
+        1 for t in traces if t.prefill_checkpoint > 0 and t.matched >= t.prefill_checkpoint
+    )
     hits = sum(1 for t in traces if t.matched > t.prompt_len)
     reused = sum(t.matched for t in traces)
     recomputed = sum(t.round2_len - t.matched for t in traces)
+    mode = floor_mode(floor)
     if progress:
         _log(
-            f"  interval={track_interval} floor={'on' if floor else 'off'}: "
-            f"{hits}/{len(convs)} decode-region hits"
+            f"  interval={track_interval} floor={mode}: {prefill_hits}/{len(convs)} "
+            f"prefill-region hits, {hits}/{len(convs)} decode-region hits"
         )
     return {
         "track_interval": track_interval,
-        "floor": floor,
+        "floor": mode,
         "requests": len(convs),
+        "prefill_eligible": prefill_eligible,
+        "prefill_region_hits": prefill_hits,
         "eligible": eligible,
         "decode_region_hits": hits,
         "reused_tokens": reused,
@@ -480,8 +544,20 @@ def _parse_args(argv):
     p.add_argument("--sliding-window", type=int, default=DEFAULT_SLIDING_WINDOW)
     p.add_argument("--new-turn", type=int, default=DEFAULT_NEW_TURN)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gap",
+        default=",".join(str(x) for x in DEFAULT_GAP),
+        help="LO,HI: the prompt ends LO..HI tokens before a multiple of 512",
+    )
     args = p.parse_args(argv)
     args.track_intervals = [int(x) for x in args.track_intervals.split(",") if x]
+    try:
+        lo, hi = (int(x) for x in args.gap.split(","))
+    except ValueError:
+        p.error(f"--gap must be LO,HI, got {args.gap!r}")
+    if not 1 <= lo <= hi <= 511:
+        p.error(f"--gap needs 1 <= LO <= HI <= 511, got {args.gap!r}")
+    args.gap = (lo, hi)
     for interval in args.track_intervals:
         if interval <= 0 or interval % args.page_size:
             p.error(f"track interval {interval} is not a multiple of --page-size")
@@ -489,7 +565,7 @@ def _parse_args(argv):
 
 
 def _summary(off: dict, on: dict) -> dict:
-    """Floor-on minus floor-off, per request (same workload, same schedule)."""
+    """``on`` minus ``off``, per request (same workload, same schedule)."""
     n = on["requests"]
     at_finish = [
         t_off.frontier_at_finish - t_on.frontier_at_finish
@@ -510,7 +586,9 @@ def main(argv=None) -> dict:
     args = _parse_args(argv)
     from sglang.srt.environ import envs
 
-    convs = make_conversations(args.requests, seed=args.seed, new_turn=args.new_turn)
+    convs = make_conversations(
+        args.requests, seed=args.seed, new_turn=args.new_turn, gap=args.gap
+    )
     eviction_interval = envs.SGLANG_SWA_EVICTION_INTERVAL.get()
     _log(
         f"retain-floor replay: {args.requests} conversations, page_size={args.page_size}, "
@@ -522,24 +600,30 @@ def main(argv=None) -> dict:
         "page_size": args.page_size,
         "sliding_window": args.sliding_window,
         "swa_eviction_interval": eviction_interval,
+        "gap": args.gap,
         "intervals": {},
     }
     t0 = time.perf_counter()
     for interval in args.track_intervals:
-        per_floor = {}
-        for floor in (False, True):
-            per_floor["on" if floor else "off"] = run_setting(
+        per_floor = {
+            mode: run_setting(
                 convs,
                 page_size=args.page_size,
                 track_interval=interval,
                 sliding_window=args.sliding_window,
-                floor=floor,
+                floor=mode,
             )
-        summary = _summary(per_floor["off"], per_floor["on"])
-        entry = {}
+            for mode in FLOOR_MODES
+        }
+        entry: dict = {}
         for key, res in per_floor.items():
             entry[key] = {k: v for k, v in res.items() if k != "traces"}
-        entry.update(summary)
+        # Extra SWA retention of each floor against no floor, and of the tree
+        # checkpoint against the request-only floor.
+        entry["extra_vs_off"] = {
+            mode: _summary(per_floor["off"], per_floor[mode]) for mode in ("old", "tree")
+        }
+        entry["tree_vs_old"] = _summary(per_floor["old"], per_floor["tree"])
         results["intervals"][interval] = entry
     results["seconds"] = round(time.perf_counter() - t0, 2)
 
@@ -552,32 +636,43 @@ def _print_table(results: dict) -> None:
     print(
         f"SWA retain floor replay: {n} conversations, page_size={results['page_size']}, "
         f"sliding_window={results['sliding_window']}, "
-        f"SGLANG_SWA_EVICTION_INTERVAL={results['swa_eviction_interval']}"
+        f"SGLANG_SWA_EVICTION_INTERVAL={results['swa_eviction_interval']}, "
+        f"prompt ends {results['gap'][0]}..{results['gap'][1]} tokens before a "
+        f"multiple of 512"
     )
     print(
-        "decode-hits: round-2 matches longer than the round-1 prompt; "
-        "eligible: conversations with a Mamba checkpoint past their prompt;\n"
-        "reused / recomputed: round-2 input tokens matched / left to prefill; "
+        "floor: off = none (SGLang's tail-relative eviction), old = request checkpoint "
+        "only, tree = max(request, tree-side checkpoint);\n"
+        "prefill-hits: round-2 matches reaching the round-1 prompt's last checkpoint; "
+        "decode-hits: round-2 matches longer than the round-1 prompt;\n"
+        "eligible: conversations with a Mamba checkpoint past their prompt; "
+        "reused / recomputed: round-2 input tokens matched / left to prefill;\n"
         "tree-SWA: SWA tokens cached in the tree after round 1"
     )
     print(
-        f"{'interval':>8} {'floor':>5} {'eligible':>8} {'decode-hits':>11} "
-        f"{'reused':>8} {'recomputed':>10} {'tree-SWA':>8}"
+        f"{'interval':>8} {'floor':>5} {'prefill-hits':>12} {'eligible':>8} "
+        f"{'decode-hits':>11} {'reused':>8} {'recomputed':>10} {'tree-SWA':>8}"
     )
     for interval, entry in results["intervals"].items():
-        for key in ("off", "on"):
+        for key in FLOOR_MODES:
             r = entry[key]
             print(
-                f"{interval:>8} {key:>5} {r['eligible']:>5}/{n:<2} "
+                f"{interval:>8} {key:>5} {r['prefill_region_hits']:>9}/{n:<2} "
+                f"{r['eligible']:>5}/{n:<2} "
                 f"{r['decode_region_hits']:>8}/{n:<2} {r['reused_tokens']:>8} "
                 f"{r['recomputed_tokens']:>10} {r['swa_tokens_held_by_tree']:>8}"
             )
-        print(
-            f"{'':>8} extra SWA slots retained per request by the floor: "
-            f"at finish mean {entry['extra_swa_slots_per_req_at_finish_mean']:.1f}, "
-            f"max {entry['extra_swa_slots_per_req_at_finish_max']}; "
-            f"live during decode mean {entry['extra_live_swa_slots_per_req_decode_mean']:.1f}"
-        )
+        for label, s in (
+            ("old vs off", entry["extra_vs_off"]["old"]),
+            ("tree vs off", entry["extra_vs_off"]["tree"]),
+            ("tree vs old", entry["tree_vs_old"]),
+        ):
+            print(
+                f"{'':>8} extra SWA slots per request, {label:<11}: "
+                f"at finish mean {s['extra_swa_slots_per_req_at_finish_mean']:.1f}, "
+                f"max {s['extra_swa_slots_per_req_at_finish_max']}; "
+                f"live during decode mean {s['extra_live_swa_slots_per_req_decode_mean']:.1f}"
+            )
     print(f"({results['seconds']} s)")
 
 
