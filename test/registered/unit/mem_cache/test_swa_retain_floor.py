@@ -6,7 +6,10 @@
 the two call sites (``ScheduleBatch._evict_swa``,
 ``SWAComponent.free_out_of_window_slots``) and the decode-region reuse they
 enable on a real FULL + SWA + MAMBA ``UnifiedRadixCache`` with the Mamba extra
-buffer at page_size 128 (the replay's environment).
+buffer at page_size 128 (the replay's environment); the tree-side checkpoint
+(the prefill region: ``cache_unfinished_req`` clears the request field, the
+re-matched Mamba node stands in for it) on the same environment, and its
+absence without the extra buffer or without SWA + Mamba.
 """
 
 import inspect
@@ -397,8 +400,263 @@ def test_chunked_prefill_call_site(env):
 def test_replay_main_small():
     results = replay.main(["--requests", "3", "--track-intervals", "512"])
     entry = results["intervals"][512]
-    assert entry["on"]["eligible"] == 3
-    assert entry["on"]["decode_region_hits"] == 3
-    assert entry["off"]["decode_region_hits"] <= entry["on"]["decode_region_hits"]
-    assert entry["on"]["reused_tokens"] >= entry["off"]["reused_tokens"]
-    assert entry["extra_swa_slots_per_req_at_finish_mean"] >= 0
+    for mode in ("off", "old", "tree"):
+        assert entry[mode]["floor"] == mode
+        assert entry[mode]["prefill_eligible"] == 3
+        assert entry[mode]["prefill_region_hits"] == 3  # the tree owns that window
+    for mode in ("old", "tree"):
+        assert entry[mode]["eligible"] == 3
+        assert entry[mode]["decode_region_hits"] == 3
+        assert entry["off"]["decode_region_hits"] <= entry[mode]["decode_region_hits"]
+        assert entry[mode]["reused_tokens"] >= entry["off"]["reused_tokens"]
+        assert entry["extra_vs_off"][mode]["extra_swa_slots_per_req_at_finish_mean"] >= 0
+    # The tree checkpoint only ever keeps more than the request-only floor.
+    assert entry["tree_vs_old"]["extra_swa_slots_per_req_at_finish_mean"] >= 0
+    assert entry["tree_vs_old"]["extra_live_swa_slots_per_req_decode_mean"] >= 0
+
+
+def test_replay_floor_settings():
+    assert [replay.floor_mode(x) for x in (True, False, "off", "old", "tree")] == [
+        "tree", "off", "off", "old", "tree"
+    ]
+    with pytest.raises(ValueError):
+        replay.floor_mode("on")
+    with pytest.raises(SystemExit):
+        replay._parse_args(["--gap", "0,10"])
+    convs = replay.make_conversations(4, gap=(300, 500))
+    assert all(12 <= 512 - len(c.prompt) % 512 <= 500 for c in convs)
+    # The default gap keeps the original workload (same draws, same lengths).
+    assert replay.make_conversations(5) == replay.make_conversations(5, gap=(8, 240))
+
+
+# --------------------------------------------------------------------------
+# Tree-side checkpoint: the prefill region
+# --------------------------------------------------------------------------
+
+# Prompt 1040: the prefill tracks its Mamba state at 1024 (page/chunk floor),
+# cache_unfinished_req inserts [0, 1024) and clears mamba_last_track_seqlen;
+# the first decode checkpoint (interval 512) is 1536.
+LONG_PROMPT, LONG_INTERVAL = 1040, 512
+PREFILL_CKPT, FIRST_DECODE_CKPT = 1024, 1536
+
+
+def _depth(node):
+    depth = 0
+    while node.parent is not None:
+        depth += len(node.key)
+        node = node.parent
+    return depth
+
+
+@pytest.fixture(params=["tree", "old", "off"])
+def long_env(request):
+    e = replay.build_env(
+        num_requests=2,
+        page_size=PAGE,
+        track_interval=LONG_INTERVAL,
+        sliding_window=SWA_WINDOW,
+        max_context_len=2048,
+        floor=request.param,
+    )
+    e.floor = request.param
+    yield e
+    e.close()
+
+
+def _prefilled(env, prompt_len=LONG_PROMPT, rid="r1", max_new_tokens=600):
+    req = replay.new_req(rid, list(range(1, prompt_len + 1)), max_new_tokens)
+    replay.prefill(env, req, first_token=50_000)
+    return req
+
+
+def _decode_step(env, req, evict=True):
+    """One decode step, evicting first (every step: the tightest cadence)."""
+    if evict and req.decode_batch_idx >= 1:
+        env.batch._evict_swa(req, req.seqlen - 1)  # what maybe_evict_swa calls
+    replay.alloc_decode_slot(env, req)
+    req.decode_batch_idx += 1
+    req.kv_committed_len += 1
+    replay.mamba_track_after_decode(env, req)
+    req.output_ids.append(70_000 + req.decode_batch_idx)
+
+
+def test_tree_checkpoint_is_the_rematched_mamba_node(long_env):
+    """After cache_unfinished_req: the request field is cleared, last_node is
+    the node holding the donated Mamba state, cache_protected_len is its depth
+    (page aligned), and len(prefix_indices) is NOT that depth (it also covers
+    the uncached prompt tail)."""
+    req = _prefilled(long_env)
+    mamba_type = ComponentType.MAMBA
+    assert req.mamba_last_track_seqlen is None
+    assert req.last_node is not long_env.cache.root_node
+    assert req.last_node.component_data[mamba_type].value is not None
+    assert req.cache_protected_len == _depth(req.last_node) == PREFILL_CKPT
+    assert req.cache_protected_len % PAGE == 0
+    assert len(req.prefix_indices) == LONG_PROMPT != req.cache_protected_len
+    assert patch._tree_checkpoint(long_env.cache, req, mamba_type) == PREFILL_CKPT
+
+
+def test_first_decode_step_after_prefill_sees_a_floor(long_env):
+    req = _prefilled(long_env)
+    expected = {"tree": PREFILL_CKPT - SWA_WINDOW, "old": None, "off": None}
+    assert long_env.cache.swa_retain_floor(req) == expected[long_env.floor]
+    # The first decode batch: maybe_evict_swa on a real ScheduleBatch.
+    long_env.batch.reqs = [req]
+    long_env.batch.forward_iter = 0  # an eviction step of SGLang's cadence
+    req.decode_batch_idx = 1
+    seen = []
+    original = common.free_swa_out_of_window_slots.__wrapped__
+
+    def spy(*args, **kwargs):
+        seen.append(args[1])  # the pre_len the original receives
+        return original(*args, **kwargs)
+
+    patched = patch._wrap_free_swa_out_of_window_slots(spy)
+    saved = common.free_swa_out_of_window_slots
+    common.free_swa_out_of_window_slots = patched
+    try:
+        long_env.batch.maybe_evict_swa()
+    finally:
+        common.free_swa_out_of_window_slots = saved
+        long_env.batch.reqs = []
+    # With the tree checkpoint pre_len is lowered to floor + max(window, page):
+    # the clamp is active from the first decode batch on.
+    tail = LONG_PROMPT + 1 - 1  # req.seqlen - 1 (prompt + the prefill's token)
+    assert seen == [PREFILL_CKPT if long_env.floor == "tree" else tail]
+    assert req.kv.swa_evicted_seqlen == PREFILL_CKPT  # evict_floor = cache_protected_len
+    release_kv_cache(req, long_env.cache)
+    long_env.cache.sanity_check()
+
+
+def _swa_live(env, req, start, end):
+    full = env.req_to_token_pool.req_to_token[req.req_pool_idx, start:end].to(torch.int64)
+    return bool((env.allocator.full_to_swa_index_mapping[full] > 0).all())
+
+
+@pytest.mark.parametrize("n_decode", [250, 520])  # finish before / after 1536
+def test_prefill_checkpoint_window_survives_decode_eviction(long_env, n_decode):
+    req = _prefilled(long_env)
+    frontiers = []
+    for _ in range(n_decode):
+        _decode_step(long_env, req)
+        frontiers.append(req.kv.swa_evicted_seqlen)
+        # The window under the prefill checkpoint is tree-owned: never freed.
+        assert _swa_live(long_env, req, PREFILL_CKPT - SWA_WINDOW, PREFILL_CKPT)
+        floor = long_env.cache.swa_retain_floor(req)
+        if long_env.floor == "tree":
+            ckpt = req.mamba_last_track_seqlen or PREFILL_CKPT
+            assert floor == max(ckpt, PREFILL_CKPT) - SWA_WINDOW
+    # The first decode step does not evict (the prefill batch may still run);
+    # from then on the frontier only moves forward, page by page, never below
+    # the tree's part.
+    assert frontiers[0] == 0
+    frontiers = frontiers[1:]
+    assert frontiers == sorted(frontiers)
+    assert all(f % PAGE == 0 and f >= PREFILL_CKPT for f in frontiers)
+    before_first_ckpt = frontiers[: FIRST_DECODE_CKPT - LONG_PROMPT - 2]
+    if long_env.floor == "tree":
+        # Nothing of the request's own is freed before its first decode checkpoint.
+        assert set(before_first_ckpt) == {PREFILL_CKPT}
+    else:
+        # Tail-relative: pages go as soon as they leave the window.
+        assert max(before_first_ckpt) == (1040 + min(n_decode, 495) - 1 - 128) // PAGE * PAGE
+    if n_decode > FIRST_DECODE_CKPT - LONG_PROMPT:
+        assert req.mamba_last_track_seqlen == FIRST_DECODE_CKPT
+        if long_env.floor != "off":
+            assert frontiers[-1] == FIRST_DECODE_CKPT - SWA_WINDOW
+            assert _swa_live(long_env, req, FIRST_DECODE_CKPT - SWA_WINDOW, FIRST_DECODE_CKPT)
+
+    release_kv_cache(req, long_env.cache)
+    long_env.cache.sanity_check()
+    ids = list(req.origin_input_ids) + list(req.output_ids) + [60_000 + i for i in range(64)]
+    again = replay.new_req("r2", ids, 1)
+    again.init_next_round_input(long_env.cache)
+    matched = len(again.prefix_indices)
+    assert matched >= PREFILL_CKPT  # prefill-region hit under every setting
+    if n_decode > FIRST_DECODE_CKPT - LONG_PROMPT and long_env.floor != "off":
+        assert matched == FIRST_DECODE_CKPT
+
+
+def test_tree_floor_costs_at_most_interval_plus_chunk(long_env):
+    """What the tree checkpoint keeps beyond the tail-relative window before the
+    first decode checkpoint is bounded by the interval + one mamba chunk."""
+    req = _prefilled(long_env)
+    worst = 0
+    for _ in range(FIRST_DECODE_CKPT - LONG_PROMPT + 40):
+        _decode_step(long_env, req)
+        live = req.kv_committed_len - max(req.kv.swa_evicted_seqlen, req.cache_protected_len)
+        worst = max(worst, live)
+    chunk = max(replay.FLA_CHUNK_SIZE, PAGE)
+    assert worst <= LONG_INTERVAL + chunk
+    if long_env.floor == "tree":
+        assert worst == FIRST_DECODE_CKPT - PREFILL_CKPT
+    release_kv_cache(req, long_env.cache)
+
+
+def test_second_round_admission_uses_the_matched_checkpoint(long_env):
+    """A request admitted on a cached prefix (no prefill track: extend shorter
+    than a chunk) keeps the matched Mamba node as its tree checkpoint."""
+    first = _prefilled(long_env, rid="a", max_new_tokens=1)
+    release_kv_cache(first, long_env.cache)
+    # Same prompt plus 40 tokens: matches 1024, extends 56 < chunk 128.
+    req = replay.new_req("b", list(range(1, LONG_PROMPT + 41)), 10)
+    replay.prefill(long_env, req, first_token=50_000)
+    assert req.cache_protected_len == PREFILL_CKPT
+    assert req.mamba_last_track_seqlen is None
+    expected = {"tree": PREFILL_CKPT - SWA_WINDOW, "old": None, "off": None}
+    assert long_env.cache.swa_retain_floor(req) == expected[long_env.floor]
+    release_kv_cache(req, long_env.cache)
+    long_env.cache.sanity_check()
+
+
+def test_request_checkpoint_behind_the_tree_one_is_overridden():
+    from sglang_session_cache.retain_floor import retain_floor_from_checkpoints
+
+    assert retain_floor_from_checkpoints(None, None, 128) is None
+    assert retain_floor_from_checkpoints(512, None, 128) == 384
+    assert retain_floor_from_checkpoints(None, 1024, 128) == 896
+    assert retain_floor_from_checkpoints(768, 1024, 128) == 896
+    assert retain_floor_from_checkpoints(1536, 1024, 128) == 1408
+    assert retain_floor_from_checkpoints(None, 64, 128) == 0
+
+
+def test_no_tree_floor_without_the_extra_buffer():
+    """No-buffer Mamba (page 1): the finish insert ends at the live tail, which
+    tail-relative eviction keeps; a tree floor would never be overtaken there.
+    The floor stays None and decode eviction is SGLang's, slot for slot."""
+    runs = []
+    for _ in range(2):
+        h = make_swa_mamba_cache(sliding_window_size=WINDOW)
+        req = h.new_req(list(range(1, 41)))
+        h.prefill(req)
+        assert req.last_node.component_data[ComponentType.MAMBA].value is not None
+        assert req.cache_protected_len == 40
+        assert h.cache.swa_retain_floor(req) is None
+        runs.append((h, req))
+    (h0, r0), (h1, r1) = runs
+    for _ in range(30):
+        for h, r, fn, kw in ((h0, r0, ORIGINAL, {}), (h1, r1, PATCHED, {"retain_floor": h1.cache.swa_retain_floor(r1)})):
+            h.decode(r, 1)
+            fn(
+                r, r.seqlen - 1, sliding_window_size=WINDOW, page_size=1,
+                req_to_token_pool=h.req_to_token_pool, token_to_kv_pool_allocator=h.allocator, **kw,
+            )
+        assert_same_state(state(h0, r0), state(h1, r1))
+    assert r1.kv.swa_evicted_seqlen > 40
+    for h, r in runs:
+        h.finish(r)
+        h.check()
+
+
+@pytest.mark.parametrize(
+    "make", [make_swa_cache, make_full_mamba_cache, make_full_cache], ids=["swa", "full_mamba", "full"]
+)
+def test_prefilled_requests_on_non_swa_mamba_caches_have_no_floor(make):
+    h = make()
+    req = h.new_req(list(range(1, 41)))
+    h.prefill(req)
+    assert h.cache.swa_retain_floor(req) is None
+    h.decode(req, 3)
+    assert h.cache.swa_retain_floor(req) is None
+    h.finish(req)
+    h.check()
