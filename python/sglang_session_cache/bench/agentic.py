@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {','.join(SHAPES)} (default: all)")
     r.add_argument("--sizes", type=_parse_sizes, default=None,
                    help=("comma list of pool sizes: token counts or shares of the "
-                         f"trace footprint (default {','.join(DEFAULT_SIZES)})"))
+                         "trace footprint, e.g. 30000,15%% (default "
+                         + ",".join(DEFAULT_SIZES).replace("%", "%%") + ")"))
     r.add_argument("--check-every", type=int, default=0, metavar="N",
                    help="also run the slot-conservation check every N requests")
     r.add_argument("--quick", action="store_true",
@@ -576,7 +577,7 @@ def format_tables(results: dict) -> str:
                     f"{r['session_hit_rate']:8.3f} {r['oneshot_hit_rate']:8.3f} "
                     f"{100 * r['kept_rate']:4.0f}% {_k(r['reused_tokens']):>8} "
                     f"{_k(r['recomputed_tokens']):>10} {_k(r['evicted_tokens']):>8} "
-                    f"{r['ms_per_request']:6.2f}  {gain}"
+                    f"{r['ms_per_request']:6.2f}  {gain}".rstrip()
                 )
     lines.append("")
     if results["issues"]:

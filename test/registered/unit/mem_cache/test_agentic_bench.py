@@ -320,6 +320,17 @@ def test_cli_process_exits_nonzero_without_traceback(tmp_path):
     assert proc.stdout == ""
 
 
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as exc:
+        agentic.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--seed", "--sessions", "--turns", "--concurrency", "--shapes",
+                 "--sizes", "--trace", "--save-trace", "--quick", "--out",
+                 "--check-every", "--no-plot", "3%,5%"):
+        assert flag in out, flag
+
+
 def test_bad_flags_are_rejected(capsys):
     for argv in (["--sizes", "0"], ["--sizes", "abc"], ["--shapes", "mamba"],
                  ["--oneshot-frac", "1.5"], ["--sessions", "0"]):
