@@ -150,6 +150,18 @@ PATCHES: tuple[Patch, ...] = (
         apply="sglang_session_cache.patches.swa_retain_floor:apply_schedule_batch",
         why="Decode-side SWA eviction passes the tree cache's retain floor.",
     ),
+    Patch(
+        name="pool_configurator.swa_floor_pool_minimum",
+        module="sglang.srt.model_executor.pool_configurator",
+        targets=("HybridSWAPoolConfigurator.__init__",
+                 "HybridSWAPoolConfigurator._solve_pool_sizes"),
+        apply="sglang_session_cache.patches.swa_pool_sizing:apply_pool_configurator",
+        why="With the SWA retain floor on (SWA + Mamba, extra buffer, radix "
+        "cache), the SWA pool holds at least max_running_requests x (window + "
+        "mamba track interval + page): KV bytes move from the full pool when "
+        "the ratio-based SWA pool is smaller, never more bytes in total; the "
+        "chosen sizes are logged. Unchanged otherwise.",
+    ),
 )
 
 
