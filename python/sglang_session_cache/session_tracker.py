@@ -4,6 +4,12 @@ request belongs to, and the per-component reference accounting behind it.
 The tracker is composed into the cache (``cache.session_ref_tracker``); the
 cache never inherits from it.  Sessions are soft protection: a reference only
 changes eviction order, it never pins memory.
+
+With a TTL (``--session-radix-cache-ttl``, see ``session_ttl.py``) a session
+idle for at least ``ttl`` seconds is released as if closed.  Open sessions are
+kept in ``last_active`` (an ``OrderedDict``, least recently active first);
+activity moves a session to the end and every touch of the tracker pops the
+expired ones from the front, so expiry costs O(1) when nothing expires.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -19,6 +26,7 @@ from sglang_session_cache.component_refs import (
     SessionStateError,
     make_component_refs,
 )
+from sglang_session_cache.session_ttl import ExpiryLog, normalize_ttl
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -65,6 +73,7 @@ class SessionCounters:
     registered: int = 0
     stale_rejected: int = 0
     late_finish_skipped: int = 0
+    expired: int = 0  # released by the TTL (not counted in ``closed``)
 
 
 @dataclasses.dataclass
@@ -82,13 +91,25 @@ class UnifiedSessionRefTracker:
     relocating: frozenset = frozenset()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
+    # Idle seconds after which a session is released as if closed (None: off).
+    ttl: Optional[float] = None
+    clock: Callable[[], float] = time.monotonic
+    # open session id -> time of its last activity, least recently active first
+    last_active: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    # Soft-protection breaches, per component: device evictions that removed
+    # referenced data, and the device tokens (Mamba: states) they freed.
+    referenced_evictions: dict = dataclasses.field(default_factory=dict)
+    referenced_evicted_tokens: dict = dataclasses.field(default_factory=dict)
+    expiry_log: ExpiryLog = dataclasses.field(default_factory=ExpiryLog)
 
     def __post_init__(self):
+        self.ttl = normalize_ttl(self.ttl)
         self.reset()
 
     def reset(self) -> None:
         """Forget everything (the tree it described is gone)."""
         self.generations.clear()
+        self.last_active.clear()
         self.closed.clear()
         self.streaming.clear()
         self.components = {}
@@ -102,6 +123,10 @@ class UnifiedSessionRefTracker:
         self.relocating = frozenset(
             ct for ct, refs in self.components.items() if refs.relocate_on_device_evict
         )
+        # Counters are monotonic: they survive a tree reset.
+        for ct in self.components:
+            self.referenced_evictions.setdefault(ct, 0)
+            self.referenced_evicted_tokens.setdefault(ct, 0)
 
     # ---- lifecycle ----
 
@@ -114,12 +139,17 @@ class UnifiedSessionRefTracker:
         if streaming:
             self.streaming.add(sid)
             return None
+        return self._open(sid, self._sweep())
+
+    def _open(self, sid: str, now: float) -> int:
         gen = self.generations.get(sid)
         if gen is not None:
+            self._touch(sid, now)
             return gen
         self.closed.pop(sid, None)
         gen = next(self._next_generation)
         self.generations[sid] = gen
+        self.last_active[sid] = now
         self.counters.opened += 1
         logger.debug("session %s opened (generation %d)", sid, gen)
         return gen
@@ -137,7 +167,9 @@ class UnifiedSessionRefTracker:
         sid = check_session_id(sid)
         if sid in self.streaming:
             return None
-        gen = self.open_radix_session(sid)
+        # An arrival is activity: an idle-expired session is released first,
+        # then reopened with a new generation.
+        gen = self._open(sid, self._sweep())
         setattr(req, REQ_GENERATION_ATTR, gen)
         return gen
 
@@ -160,6 +192,7 @@ class UnifiedSessionRefTracker:
         sid = req.session_id
         if leaf is None or leaf is self.cache.root_node or leaf.parent is None:
             return False
+        now = self._sweep()
         current = self.generations.get(sid)
         gen = getattr(req, REQ_GENERATION_ATTR, None)
         if current is None:
@@ -169,7 +202,7 @@ class UnifiedSessionRefTracker:
                 logger.debug("request %s finished after session %s closed; not referenced",
                              getattr(req, "rid", "?"), sid)
                 return False
-            current = self.open_radix_session(sid)
+            current = self._open(sid, now)
             gen = current
         if gen is None:
             gen = current
@@ -185,6 +218,7 @@ class UnifiedSessionRefTracker:
         for refs in self.components.values():
             refs.register_session_leaf(sid, leaf)
         self.counters.registered += 1
+        self._touch(sid, now)
         return True
 
     def release_radix_session(self, session_id: str) -> int:
@@ -194,6 +228,7 @@ class UnifiedSessionRefTracker:
         nothing.  Returns the number of leaf references dropped."""
         sid = check_session_id(session_id)
         self.streaming.discard(sid)
+        self._sweep()
         if sid not in self.generations:
             if sid in self.closed:
                 logger.debug("session %s already closed; nothing to release", sid)
@@ -203,13 +238,19 @@ class UnifiedSessionRefTracker:
                 )
                 self._remember_closed(sid)
             return 0
+        released = self._drop(sid)
+        self.counters.closed += 1
+        logger.debug("session %s closed: released %d leaf references", sid, released)
+        return released
+
+    def _drop(self, sid: str) -> int:
+        """Release an open session (close or expiry) and tombstone its id."""
         del self.generations[sid]
+        self.last_active.pop(sid, None)
         released = 0
         for refs in self.components.values():
             released += refs.release_session(sid)
         self._remember_closed(sid)
-        self.counters.closed += 1
-        logger.debug("session %s closed: released %d leaf references", sid, released)
         return released
 
     def _remember_closed(self, sid: str) -> None:
@@ -217,6 +258,77 @@ class UnifiedSessionRefTracker:
         self.closed.move_to_end(sid)
         while len(self.closed) > self.tombstone_limit:
             self.closed.popitem(last=False)
+
+    # ---- TTL ----
+
+    def set_ttl(self, ttl: Any) -> Optional[float]:
+        """Set (or turn off, with ``None``/0) the idle TTL in seconds.  Open
+        sessions start their idle time now."""
+        self.ttl = normalize_ttl(ttl)
+        now = self.clock()
+        for sid in self.last_active:
+            self.last_active[sid] = now
+        return self.ttl
+
+    def _touch(self, sid: str, now: float) -> None:
+        la = self.last_active
+        if sid in la:
+            la[sid] = now
+            la.move_to_end(sid)
+
+    def _sweep(self) -> float:
+        """Read the clock once and expire what is due (nothing without a TTL)."""
+        now = self.clock()
+        if self.ttl is not None:
+            self._expire_until(now - self.ttl, now)
+        return now
+
+    def _expire_until(self, deadline: float, now: float) -> int:
+        # Oldest activity first: stop at the first session still within its TTL.
+        la = self.last_active
+        n = 0
+        while la:
+            sid = next(iter(la))
+            last = la[sid]
+            if last > deadline:
+                break
+            released = self._drop(sid)
+            self.counters.expired += 1
+            n += 1
+            logger.debug(
+                "session %s expired after %.1fs idle: released %d leaf references",
+                sid, now - last, released,
+            )
+        if n:
+            self.expiry_log.add(n, now, self.ttl)
+        elif self.expiry_log.pending:
+            self.expiry_log.flush(now, self.ttl)
+        return n
+
+    def expire_idle_sessions(self, now: Optional[float] = None) -> int:
+        """Release every session idle for at least ``ttl`` seconds, as if
+        closed.  Returns how many expired (0 without a TTL)."""
+        if self.ttl is None:
+            return 0
+        if now is None:
+            now = self.clock()
+        return self._expire_until(now - self.ttl, now)
+
+    def tick(self) -> None:
+        """Cheap periodic hook (before eviction, on every finish, on metrics
+        reads): one clock read and a look at the oldest open session."""
+        if self.ttl is not None:
+            now = self.clock()
+            self._expire_until(now - self.ttl, now)
+
+    # ---- soft-protection breaches ----
+
+    def note_referenced_eviction(self, ct, device_freed: int) -> None:
+        """Eviction removed referenced device data of component ``ct``."""
+        self.referenced_evictions[ct] = self.referenced_evictions.get(ct, 0) + 1
+        self.referenced_evicted_tokens[ct] = (
+            self.referenced_evicted_tokens.get(ct, 0) + device_freed
+        )
 
     # ---- tree events (called from the cache hooks) ----
 
@@ -256,6 +368,16 @@ class UnifiedSessionRefTracker:
                     raise SessionStateError(
                         f"[{refs.ct}] closed or unknown session {sid!r} still holds leaves"
                     )
+        if self.last_active.keys() != self.generations.keys():
+            raise SessionStateError(
+                f"TTL activity index {sorted(self.last_active)} does not match the "
+                f"open sessions {sorted(self.generations)}"
+            )
+        last = None
+        for t in self.last_active.values():
+            if last is not None and t < last:
+                raise SessionStateError("TTL activity index is not ordered by time")
+            last = t
 
 
 __all__ = [
