@@ -151,6 +151,41 @@ PATCHES: tuple[Patch, ...] = (
         why="Decode-side SWA eviction passes the tree cache's retain floor.",
     ),
     Patch(
+        name="server_args.session_radix_cache_ttl",
+        module="sglang.srt.server_args",
+        targets=("ServerArgs.add_cli_args", "ServerArgs.from_cli_args",
+                 "ServerArgs.__init__", "ServerArgs.session_radix_cache_ttl (new)"),
+        apply="sglang_session_cache.patches.server_wiring:apply_server_args_ttl",
+        why="--session-radix-cache-ttl SECONDS (and the session_radix_cache_ttl "
+        "keyword): validated, stored on the ServerArgs instance (default None = "
+        "off) so it reaches the scheduler with the pickled ServerArgs.",
+    ),
+    Patch(
+        name="unified_radix_cache.session_ttl_metrics",
+        module="sglang.srt.mem_cache.unified_radix_cache",
+        targets=("UnifiedRadixCache.evict",
+                 "UnifiedRadixCache.session_metrics (new)",
+                 "UnifiedRadixCache.expire_idle_sessions (new)"),
+        apply="sglang_session_cache.patches.unified_cache:apply_session_ttl_metrics",
+        why="Expires idle sessions (TTL) before every eviction so their KV is "
+        "unreferenced when victims are chosen; session_metrics() snapshot. The "
+        "session_refs wrappers read the TTL from get_server_args() at init, tick "
+        "the TTL on every finish and count evictions of referenced data.",
+    ),
+    Patch(
+        name="pool_stats_observer.session_metrics",
+        module="sglang.srt.managers.scheduler_components.pool_stats_observer",
+        targets=("SchedulerPoolStatsObserver.get_pool_stats",
+                 "PoolStats.get_prefill_usage_msg_parts",
+                 "PoolStats.get_decode_usage_msg_parts",
+                 "PoolStats.update_scheduler_stats"),
+        apply="sglang_session_cache.patches.server_wiring:apply_pool_stats",
+        why="The scheduler's prefill/decode log lines gain a 'session: open=..., "
+        "ref_tokens(...)=..., breaches=...' part, and with --enable-metrics the "
+        "sglang:session_radix_* Prometheus series are published with the "
+        "scheduler's own stats. Only for session-tracking caches.",
+    ),
+    Patch(
         name="pool_configurator.swa_floor_pool_minimum",
         module="sglang.srt.model_executor.pool_configurator",
         targets=("HybridSWAPoolConfigurator.__init__",

@@ -20,6 +20,9 @@ NO_EFFECT_WARNING = (
     "UnifiedRadixCache. Session references are implemented on the unified tree "
     "only; start the server with SGLANG_ENABLE_UNIFIED_RADIX_TREE=1 to use them."
 )
+TTL_NO_EFFECT_WARNING = (
+    "--session-radix-cache-ttl has no effect without --enable-session-radix-cache."
+)
 
 
 def _session_error_type():
@@ -50,6 +53,16 @@ def apply_server_args(module) -> None:
     wrap_method(module.ServerArgs, "_handle_cache_compatibility", _wrap_cache_compat)
 
 
+def apply_server_args_ttl(module) -> None:
+    """``--session-radix-cache-ttl SECONDS`` on the CLI, ``session_radix_cache_ttl``
+    as a ``ServerArgs(...)`` / ``sglang.Engine(...)`` keyword; stored as an
+    instance attribute (class default ``None``), so it travels to the
+    scheduler processes with the pickled ``ServerArgs``."""
+    from sglang_session_cache.session_ttl import patch_server_args_class
+
+    patch_server_args_class(module.ServerArgs)
+
+
 # ---- cache selection guard ---------------------------------------------------
 
 
@@ -63,6 +76,12 @@ def _wrap_create_tree_cache(orig):
             and getattr(cache, "session_ref_tracker", None) is None
         ):
             _registry_logger.warning(NO_EFFECT_WARNING.format(kind=type(cache).__name__))
+        if (
+            server_args is not None
+            and getattr(server_args, "session_radix_cache_ttl", None) is not None
+            and not getattr(server_args, "enable_session_radix_cache", False)
+        ):
+            _registry_logger.warning(TTL_NO_EFFECT_WARNING)
         return cache
 
     return create_tree_cache
@@ -151,3 +170,69 @@ def apply_scheduler(module) -> None:
     wrap_method(cls, "open_session", _wrap_open_session)
     wrap_method(cls, "close_session", _wrap_close_session)
     wrap_method(cls, "_add_request_to_queue", _wrap_add_request)
+
+
+# ---- scheduler stats: session metrics in the log line and Prometheus -----------
+
+_metrics_logger = logging.getLogger(
+    "sglang.srt.managers.scheduler_components.metrics_reporter"
+)
+_metrics_failed = []
+
+
+def _metrics_guard(what: str, fn, *args):
+    # Metrics must never take the scheduler down: log the first failure only.
+    try:
+        return fn(*args)
+    except Exception:
+        if not _metrics_failed:
+            _metrics_failed.append(what)
+            _metrics_logger.exception("session radix cache metrics (%s) failed", what)
+        return None
+
+
+def _wrap_get_pool_stats(orig):
+    def get_pool_stats(self):
+        stats = orig(self)
+        cache = self.tree_cache
+        if getattr(cache, "session_ref_tracker", None) is not None:
+            stats._session_cache = cache  # read lazily, only when logged/published
+        return stats
+
+    return get_pool_stats
+
+
+def _wrap_usage_msg_parts(orig):
+    def usage_msg_parts(self):
+        parts = orig(self)
+        cache = self._session_cache
+        if cache is not None:
+            from sglang_session_cache.session_metrics import log_part
+
+            fragment = _metrics_guard("log line", log_part, cache)
+            if fragment:
+                parts.append(fragment)
+        return parts
+
+    return usage_msg_parts
+
+
+def _wrap_update_scheduler_stats(orig):
+    def update_scheduler_stats(self, stats):
+        orig(self, stats)
+        cache = self._session_cache
+        if cache is not None:
+            from sglang_session_cache.session_metrics import publish
+
+            _metrics_guard("prometheus", publish, cache)
+
+    return update_scheduler_stats
+
+
+def apply_pool_stats(module) -> None:
+    if "_session_cache" not in module.PoolStats.__dict__:
+        module.PoolStats._session_cache = None
+    wrap_method(module.SchedulerPoolStatsObserver, "get_pool_stats", _wrap_get_pool_stats)
+    for name in ("get_prefill_usage_msg_parts", "get_decode_usage_msg_parts"):
+        wrap_method(module.PoolStats, name, _wrap_usage_msg_parts)
+    wrap_method(module.PoolStats, "update_scheduler_stats", _wrap_update_scheduler_stats)

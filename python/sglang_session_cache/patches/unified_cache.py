@@ -98,6 +98,7 @@ def _wrap_init(orig):
         orig(self, params)
         if enabled:
             attach_session_tracking(self)
+            _configure_ttl_and_metrics(self, params)
 
     return __init__
 
@@ -127,6 +128,8 @@ def _wrap_insert(orig):
 def _wrap_cache_finished_req(orig):
     def cache_finished_req(self, req, is_insert=True, *, kv_len_to_handle, **kwargs):
         tracker = self.session_ref_tracker
+        if tracker is not None:
+            tracker.tick()  # TTL: every finish is a cheap expiry check
         if tracker is None or not is_insert or not tracker.should_register(req):
             return orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
         capture = []
@@ -170,6 +173,14 @@ def _wrap_evict_component(orig):
 
     def _evict_component_and_detach_lru(self, node, comp, target=device, tracker=None):
         refs = self.session_ref_tracker
+        # Soft-protection breach: referenced device data is about to go.  Read
+        # before the relocation below moves a Mamba reference off the node.
+        breach = (
+            refs is not None
+            and node.component_data[comp.component_type].session_ref > 0
+            and target & device
+            and comp.node_has_component_data(node)
+        )
         if (
             refs is not None
             and comp.component_type in refs.relocating
@@ -177,6 +188,10 @@ def _wrap_evict_component(orig):
             and comp.node_has_component_data(node)
         ):
             refs.on_device_evict(node, comp.component_type)
+        if breach:
+            freed = orig(self, node, comp, target=target, tracker=tracker)
+            refs.note_referenced_eviction(comp.component_type, freed[0])
+            return freed
         return orig(self, node, comp, target=target, tracker=tracker)
 
     return _evict_component_and_detach_lru
@@ -190,6 +205,34 @@ def _wrap_check_lru(orig):
         errors.extend(integrity(label))
 
     return _check_lru_linked_list
+
+
+def _configure_ttl_and_metrics(cache, params) -> None:
+    """TTL from the process-wide ServerArgs (``--session-radix-cache-ttl``);
+    a Prometheus collector when the cache reports metrics."""
+    from sglang_session_cache.session_ttl import published_ttl
+
+    ttl = cache.session_ref_tracker.set_ttl(published_ttl())
+    if ttl is not None:
+        logger.info(
+            "Session radix cache: sessions idle for %gs are released as if closed.",
+            ttl,
+        )
+    if getattr(params, "enable_metrics", False):
+        from sglang_session_cache.session_metrics import make_collector
+
+        cache.session_metrics_collector = make_collector(cache)
+
+
+def _wrap_evict(orig):
+    def evict(self, params):
+        tracker = self.session_ref_tracker
+        if tracker is not None:
+            # Expired sessions must be unreferenced before victims are chosen.
+            tracker.tick()
+        return orig(self, params)
+
+    return evict
 
 
 # ---- new public methods -----------------------------------------------------
@@ -235,6 +278,32 @@ def validate_session_state(self) -> None:
             errors.extend(lru.integrity_errors(label))
     if errors:
         raise SessionStateError("; ".join(errors))
+
+
+def session_metrics(self) -> dict:
+    """Snapshot of the session metrics (``{"enabled": False}`` when session
+    tracking is off); see ``sglang_session_cache.session_metrics``."""
+    from sglang_session_cache.session_metrics import snapshot
+
+    return snapshot(self)
+
+
+def expire_idle_sessions(self) -> int:
+    """Release sessions idle for at least the TTL now; returns how many."""
+    tracker = self.session_ref_tracker
+    if tracker is None:
+        return 0
+    return tracker.expire_idle_sessions()
+
+
+def apply_session_ttl_metrics(module) -> None:
+    cls = module.UnifiedRadixCache
+    if "session_metrics_collector" not in cls.__dict__:
+        cls.session_metrics_collector = None
+        cls._session_ref_tokens_cache = None
+    wrap_method(cls, "evict", _wrap_evict)
+    add_method(cls, "session_metrics", session_metrics)
+    add_method(cls, "expire_idle_sessions", expire_idle_sessions)
 
 
 def apply_unified_cache(module) -> None:
