@@ -98,6 +98,7 @@ class UnifiedSessionRefTracker:
     last_active: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     # Soft-protection breaches, per component: device evictions that removed
     # referenced data, and the device tokens (Mamba: states) they freed.
+    # Incremented by the cache's _evict_component_and_detach_lru hook.
     referenced_evictions: dict = dataclasses.field(default_factory=dict)
     referenced_evicted_tokens: dict = dataclasses.field(default_factory=dict)
     expiry_log: ExpiryLog = dataclasses.field(default_factory=ExpiryLog)
@@ -320,15 +321,6 @@ class UnifiedSessionRefTracker:
         if self.ttl is not None:
             now = self.clock()
             self._expire_until(now - self.ttl, now)
-
-    # ---- soft-protection breaches ----
-
-    def note_referenced_eviction(self, ct, device_freed: int) -> None:
-        """Eviction removed referenced device data of component ``ct``."""
-        self.referenced_evictions[ct] = self.referenced_evictions.get(ct, 0) + 1
-        self.referenced_evicted_tokens[ct] = (
-            self.referenced_evicted_tokens.get(ct, 0) + device_freed
-        )
 
     # ---- tree events (called from the cache hooks) ----
 

@@ -173,14 +173,10 @@ def _wrap_evict_component(orig):
 
     def _evict_component_and_detach_lru(self, node, comp, target=device, tracker=None):
         refs = self.session_ref_tracker
-        # Soft-protection breach: referenced device data is about to go.  Read
-        # before the relocation below moves a Mamba reference off the node.
-        breach = (
-            refs is not None
-            and node.component_data[comp.component_type].session_ref > 0
-            and target & device
-            and comp.node_has_component_data(node)
-        )
+        # Soft-protection breach: referenced data may be about to go.  Read
+        # before the relocation below moves a Mamba reference off the node;
+        # counted below only if device data was actually freed.
+        breach = refs is not None and node.component_data[comp.component_type].session_ref
         if (
             refs is not None
             and comp.component_type in refs.relocating
@@ -190,7 +186,10 @@ def _wrap_evict_component(orig):
             refs.on_device_evict(node, comp.component_type)
         if breach:
             freed = orig(self, node, comp, target=target, tracker=tracker)
-            refs.note_referenced_eviction(comp.component_type, freed[0])
+            if freed[0]:  # device data went (inlined: this is the eviction path)
+                ct = comp.component_type
+                refs.referenced_evictions[ct] += 1
+                refs.referenced_evicted_tokens[ct] += freed[0]
             return freed
         return orig(self, node, comp, target=target, tracker=tracker)
 
