@@ -786,16 +786,20 @@ class CacheHarness:
 # --------------------------------------------------------------------------
 
 
-def _make_cache(
+def _assemble(
     *,
     req_to_token_pool,
+    kv_pool,
     allocator,
     page_size: int,
     tree_components: tuple,
     enable_session: bool,
     eviction_policy: str,
     sliding_window_size: Optional[int] = None,
-) -> UnifiedRadixCache:
+    swa_eviction_interval: Optional[int] = 1,
+) -> CacheHarness:
+    """Build the real ``UnifiedRadixCache`` over the given pools and wrap it.
+    ``swa_eviction_interval=None`` uses ``SGLANG_SWA_EVICTION_INTERVAL``."""
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=req_to_token_pool,
@@ -806,7 +810,19 @@ def _make_cache(
         sliding_window_size=sliding_window_size,
         tree_components=tree_components,
     )
-    return UnifiedRadixCache(params)
+    return CacheHarness(
+        cache=UnifiedRadixCache(params),
+        req_to_token_pool=req_to_token_pool,
+        allocator=allocator,
+        kv_pool=kv_pool,
+        page_size=page_size,
+        sliding_window_size=sliding_window_size,
+        swa_eviction_interval=(
+            envs.SGLANG_SWA_EVICTION_INTERVAL.get()
+            if swa_eviction_interval is None
+            else swa_eviction_interval
+        ),
+    )
 
 
 def _full_kv_and_allocator(
@@ -861,10 +877,10 @@ def _swa_kv_and_allocator(
     return kv_pool, allocator
 
 
-def _mamba_req_to_token_pool(max_num_reqs, max_context_len, mamba_num_slots):
+def tiny_mamba_cache_params():
+    """A deliberately tiny single-layer Mamba2 state (conv (16, 3), ssm (2, 4, 4))."""
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
 
-    # A deliberately tiny single-layer Mamba2 state (conv (16, 3), ssm (2, 4, 4)).
     shape = Mamba2StateShape.create(
         tp_world_size=1,
         intermediate_size=8,
@@ -874,7 +890,11 @@ def _mamba_req_to_token_pool(max_num_reqs, max_context_len, mamba_num_slots):
         state_size=4,
         conv_kernel=4,
     )
-    cache_params = Mamba2CacheParams(shape=shape, layers=[0])
+    return Mamba2CacheParams(shape=shape, layers=[0])
+
+
+def _mamba_req_to_token_pool(max_num_reqs, max_context_len, mamba_num_slots):
+    cache_params = tiny_mamba_cache_params()
     return HybridReqToTokenPool(
         size=max_num_reqs,
         mamba_size=mamba_num_slots,
@@ -923,20 +943,14 @@ def make_full_cache(
         num_tokens, page_size, head_num=head_num, head_dim=head_dim,
         layer_num=layer_num, need_sort=need_sort,
     )
-    cache = _make_cache(
+    return _assemble(
         req_to_token_pool=req_to_token_pool,
+        kv_pool=kv_pool,
         allocator=allocator,
         page_size=page_size,
         tree_components=(ComponentType.FULL,),
         enable_session=enable_session,
         eviction_policy=eviction_policy,
-    )
-    return CacheHarness(
-        cache=cache,
-        req_to_token_pool=req_to_token_pool,
-        allocator=allocator,
-        kv_pool=kv_pool,
-        page_size=page_size,
     )
 
 
@@ -971,27 +985,16 @@ def make_swa_cache(
         num_tokens, swa_num_tokens, page_size,
         head_num=head_num, head_dim=head_dim, need_sort=need_sort,
     )
-    cache = _make_cache(
+    return _assemble(
         req_to_token_pool=req_to_token_pool,
+        kv_pool=kv_pool,
         allocator=allocator,
         page_size=page_size,
         tree_components=(ComponentType.FULL, ComponentType.SWA),
         enable_session=enable_session,
         eviction_policy=eviction_policy,
         sliding_window_size=sliding_window_size,
-    )
-    return CacheHarness(
-        cache=cache,
-        req_to_token_pool=req_to_token_pool,
-        allocator=allocator,
-        kv_pool=kv_pool,
-        page_size=page_size,
-        sliding_window_size=sliding_window_size,
-        swa_eviction_interval=(
-            envs.SGLANG_SWA_EVICTION_INTERVAL.get()
-            if swa_eviction_interval is None
-            else swa_eviction_interval
-        ),
+        swa_eviction_interval=swa_eviction_interval,
     )
 
 
@@ -1019,20 +1022,14 @@ def make_full_mamba_cache(
         num_tokens, page_size, head_num=head_num, head_dim=head_dim,
         layer_num=1, need_sort=need_sort,
     )
-    cache = _make_cache(
+    return _assemble(
         req_to_token_pool=req_to_token_pool,
+        kv_pool=kv_pool,
         allocator=allocator,
         page_size=page_size,
         tree_components=(ComponentType.FULL, ComponentType.MAMBA),
         enable_session=enable_session,
         eviction_policy=eviction_policy,
-    )
-    return CacheHarness(
-        cache=cache,
-        req_to_token_pool=req_to_token_pool,
-        allocator=allocator,
-        kv_pool=kv_pool,
-        page_size=page_size,
     )
 
 
@@ -1065,25 +1062,14 @@ def make_swa_mamba_cache(
         num_tokens, swa_num_tokens, page_size,
         head_num=head_num, head_dim=head_dim, need_sort=need_sort,
     )
-    cache = _make_cache(
+    return _assemble(
         req_to_token_pool=req_to_token_pool,
+        kv_pool=kv_pool,
         allocator=allocator,
         page_size=page_size,
         tree_components=(ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA),
         enable_session=enable_session,
         eviction_policy=eviction_policy,
         sliding_window_size=sliding_window_size,
-    )
-    return CacheHarness(
-        cache=cache,
-        req_to_token_pool=req_to_token_pool,
-        allocator=allocator,
-        kv_pool=kv_pool,
-        page_size=page_size,
-        sliding_window_size=sliding_window_size,
-        swa_eviction_interval=(
-            envs.SGLANG_SWA_EVICTION_INTERVAL.get()
-            if swa_eviction_interval is None
-            else swa_eviction_interval
-        ),
+        swa_eviction_interval=swa_eviction_interval,
     )

@@ -20,7 +20,8 @@ over them.  The consequences:
   After all sessions close, the list order equals the plain LRU order of the
   same history.  The insertion is O(1) when the node is newer or older than
   everything in the target partition (fresh registrations, cold sessions
-  closing) and otherwise walks from the nearer end (by stamp).
+  closing) and otherwise searches from both ends at once: O(d), d the distance
+  in list positions to the nearer end.
 
 Only caches with ``--enable-session-radix-cache`` use this class; the stock
 ``UnifiedLRUList`` is untouched otherwise.
@@ -77,37 +78,42 @@ class PartitionedLRUList(UnifiedLRUList):
         for i, n in enumerate(placed):
             self._set_stamp(n, self._clock - i)
 
-    def reset_node_and_parents_mru(self, node, root_node, should_include):
+    def _refresh_chain(self, nodes) -> None:
+        """Move ``nodes`` (newest first) to the front of their partitions,
+        keeping their relative order, as the stock chain refreshes do."""
         prev = {True: self.head, False: self.mid}
         placed = []
-        while node != root_node:
-            if should_include(node):
-                assert node.id in self.cache
-                self._remove_node(node)
-                side = self.is_referenced(node)
-                self._add_node_after(prev[side], node)
-                prev[side] = node
-                placed.append(node)
-            node = node.parent
+        for node in nodes:
+            assert node.id in self.cache
+            self._remove_node(node)
+            side = self.is_referenced(node)
+            self._add_node_after(prev[side], node)
+            prev[side] = node
+            placed.append(node)
         self._stamp_chain(placed)
+
+    def reset_node_and_parents_mru(self, node, root_node, should_include):
+        def path():
+            cur = node
+            while cur != root_node:
+                if should_include(cur):
+                    yield cur
+                cur = cur.parent
+
+        self._refresh_chain(path())
 
     def reset_node_and_window_ancestors_mru(
         self, node, root_node, window_size, should_include
     ):
-        prev = {True: self.head, False: self.mid}
-        placed = []
-        accumulated = 0
-        while node != root_node and accumulated < window_size:
-            if should_include(node):
-                assert node.id in self.cache
-                self._remove_node(node)
-                side = self.is_referenced(node)
-                self._add_node_after(prev[side], node)
-                prev[side] = node
-                placed.append(node)
-            accumulated += len(node.key)
-            node = node.parent
-        self._stamp_chain(placed)
+        def window():
+            cur, accumulated = node, 0
+            while cur != root_node and accumulated < window_size:
+                if should_include(cur):
+                    yield cur
+                accumulated += len(cur.key)
+                cur = cur.parent
+
+        self._refresh_chain(window())
 
     # ---- partition moves ----
 
@@ -141,18 +147,18 @@ class PartitionedLRUList(UnifiedLRUList):
         if stamp <= last.lru_stamp[pt]:
             self._add_node_after(end.lru_prev[pt], node)
             return
-        if first.lru_stamp[pt] - stamp <= stamp - last.lru_stamp[pt]:
-            # Nearer the MRU end: walk down to the first older node.
-            x = first
-            while x is self.cursor or x.lru_stamp[pt] > stamp:
-                x = x.lru_next[pt]
-            self._add_node_after(x.lru_prev[pt], node)
-        else:
-            # Nearer the LRU end: walk up to the first newer node.
-            x = last
-            while x is self.cursor or x.lru_stamp[pt] < stamp:
-                x = x.lru_prev[pt]
-            self._add_node_after(x, node)
+        # Search from both ends at once: the cost is twice the distance to the
+        # nearer end, in list positions.
+        front, back = first, last
+        while True:
+            if front is not self.cursor and front.lru_stamp[pt] < stamp:
+                self._add_node_after(front.lru_prev[pt], node)
+                return
+            if back is not self.cursor and back.lru_stamp[pt] > stamp:
+                self._add_node_after(back, node)
+                return
+            front = front.lru_next[pt]
+            back = back.lru_prev[pt]
 
     # ---- cursor ----
 

@@ -89,6 +89,7 @@ class UnifiedSessionRefTracker:
     counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
     components: dict = dataclasses.field(default_factory=dict)
     relocating: frozenset = frozenset()
+    relocating_components: tuple = ()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
     # Idle seconds after which a session is released as if closed (None: off).
@@ -123,6 +124,11 @@ class UnifiedSessionRefTracker:
         # evicted in place (checked on every component eviction, so a set).
         self.relocating = frozenset(
             ct for ct, refs in self.components.items() if refs.relocate_on_device_evict
+        )
+        # The same as component objects: an identity test, cheaper than
+        # hashing the enum on every component eviction.
+        self.relocating_components = tuple(
+            self.cache.components[ct] for ct in self.relocating
         )
         # Counters are monotonic: they survive a tree reset.
         for ct in self.components:

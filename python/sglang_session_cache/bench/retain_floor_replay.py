@@ -69,7 +69,7 @@ import random
 import sys
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 DEFAULT_REQUESTS = 32
@@ -162,14 +162,11 @@ def build_env(
     """A real FULL + SWA + MAMBA ``UnifiedRadixCache`` with the Mamba extra
     buffer, sized so that nothing is evicted from the tree (the replay measures
     decode-side SWA eviction only)."""
-    import torch
 
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang_session_cache.harness import _swa_kv_and_allocator, tiny_mamba_cache_params
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -188,35 +185,8 @@ def build_env(
 
         # Room for every request's whole round-1 sequence twice over.
         num_tokens = _cdiv(2 * num_requests * max_context_len, page_size) * page_size
-        kv_pool = SWAKVPool(
-            size=num_tokens,
-            size_swa=num_tokens,
-            page_size=page_size,
-            dtype=torch.bfloat16,
-            head_num=1,
-            head_dim=4,
-            swa_attention_layer_ids=[0],
-            full_attention_layer_ids=[1],
-            device=DEVICE,
-            enable_alt_stream=False,
-        )
-        allocator = SWATokenToKVPoolAllocator(
-            size=num_tokens,
-            size_swa=num_tokens,
-            page_size=page_size,
-            dtype=torch.bfloat16,
-            device=DEVICE,
-            kvcache=kv_pool,
-            need_sort=False,
-        )
-        shape = Mamba2StateShape.create(
-            tp_world_size=1,
-            intermediate_size=8,
-            n_groups=1,
-            num_heads=2,
-            head_dim=4,
-            state_size=4,
-            conv_kernel=4,
+        kv_pool, allocator = _swa_kv_and_allocator(
+            num_tokens, num_tokens, page_size, head_num=1, head_dim=4, need_sort=False
         )
         req_to_token_pool = HybridReqToTokenPool(
             size=num_requests + 2,
@@ -226,7 +196,7 @@ def build_env(
             max_context_len=max_context_len,
             device=DEVICE,
             enable_memory_saver=False,
-            cache_params=Mamba2CacheParams(shape=shape, layers=[0]),
+            cache_params=tiny_mamba_cache_params(),
             mamba_layer_ids=[0],
             enable_mamba_extra_buffer=True,
             enable_overlap_schedule=True,

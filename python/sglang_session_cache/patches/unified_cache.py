@@ -179,7 +179,7 @@ def _wrap_evict_component(orig):
         breach = refs is not None and node.component_data[comp.component_type].session_ref
         if (
             refs is not None
-            and comp.component_type in refs.relocating
+            and comp in refs.relocating_components
             and target & device
             and comp.node_has_component_data(node)
         ):

@@ -12,11 +12,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from cache_fixtures import (  # noqa: E402
-    make_full_cache,
-    make_swa_cache,
-    make_swa_mamba_cache,
-)
+from session_test_utils import SHAPES, prompt  # noqa: E402
+from cache_fixtures import make_full_cache, make_swa_cache  # noqa: E402
 
 from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
     PoolStats,
@@ -33,23 +30,12 @@ from sglang_session_cache.session_metrics import (  # noqa: E402
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 
-SHAPES = {
-    "full": lambda **kw: make_full_cache(enable_session=True, **kw),
-    "swa": lambda **kw: make_swa_cache(enable_session=True, **kw),
-    "swa_mamba": lambda **kw: make_swa_mamba_cache(enable_session=True, **kw),
-}
-
-
 @pytest.fixture(params=list(SHAPES))
 def h(request):
     harness = SHAPES[request.param]()
     yield harness
     harness.cache.validate_session_state()
     harness.check()
-
-
-def prompt(base, n=40):
-    return list(range(base, base + n))
 
 
 def brute_force_referenced(h) -> dict:

@@ -11,11 +11,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from cache_fixtures import (  # noqa: E402
-    make_full_cache,
-    make_swa_cache,
-    make_swa_mamba_cache,
-)
+from session_test_utils import SHAPES, arrive  # noqa: E402
+from cache_fixtures import make_full_cache  # noqa: E402
 
 from sglang.srt.managers.schedule_batch import FINISH_ABORT  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache  # noqa: E402
@@ -27,12 +24,6 @@ from sglang_session_cache.session_tracker import (  # noqa: E402
 )
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
-
-SHAPES = {
-    "full": lambda **kw: make_full_cache(enable_session=True, **kw),
-    "swa": lambda **kw: make_swa_cache(enable_session=True, **kw),
-    "swa_mamba": lambda **kw: make_swa_mamba_cache(enable_session=True, **kw),
-}
 
 SYSTEM = list(range(1000, 1040))  # 40-token shared system prompt
 
@@ -373,13 +364,6 @@ def test_validator_fails_loudly_on_a_leak(h):
 
 
 # ---- randomized stress ------------------------------------------------------------
-
-
-def arrive(h, tokens, sid):
-    """What the scheduler does when a request arrives: stamp the generation."""
-    req = h.new_req(tokens, session_id=sid)
-    h.cache.ensure_session_generation(req)
-    return req
 
 
 @pytest.mark.parametrize("shape,ops", [("full", 2500), ("swa", 2000), ("swa_mamba", 1200)])

@@ -14,24 +14,18 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from cache_fixtures import (  # noqa: E402
-    make_full_cache,
-    make_swa_cache,
-    make_swa_mamba_cache,
-)
+from session_test_utils import SHAPES, arrive, make_scheduler, prompt  # noqa: E402
+from cache_fixtures import make_full_cache  # noqa: E402
 
-from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers.io_struct import (  # noqa: E402
     CloseSessionReqInput,
     OpenSessionReqInput,
 )
-from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
-from sglang.srt.session.session_controller import SessionController  # noqa: E402
 from sglang_session_cache.session_ttl import (  # noqa: E402
     EXPIRY_LOG_INTERVAL_S,
     SessionTTLError,
@@ -42,11 +36,6 @@ FULL = ComponentType.FULL
 TTL = 10.0
 CACHE_LOGGER = "sglang.srt.mem_cache.unified_radix_cache"
 
-SHAPES = {
-    "full": lambda **kw: make_full_cache(enable_session=True, **kw),
-    "swa": lambda **kw: make_swa_cache(enable_session=True, **kw),
-    "swa_mamba": lambda **kw: make_swa_mamba_cache(enable_session=True, **kw),
-}
 
 
 class Clock:
@@ -74,17 +63,6 @@ def h(request):
     yield harness
     harness.cache.validate_session_state()
     harness.check()
-
-
-def prompt(base, n=40):
-    return list(range(base, base + n))
-
-
-def arrive(h, tokens, sid):
-    """A request arriving at the scheduler (stamped with its generation)."""
-    req = h.new_req(tokens, session_id=sid)
-    h.cache.ensure_session_generation(req)
-    return req
 
 
 def run(h, req, n_decode=0):
@@ -455,25 +433,6 @@ def test_ttl_without_session_flag_warns(caplog):
 
 
 # ---- through the scheduler -----------------------------------------------------------------
-
-
-def make_scheduler(cache):
-    """A real Scheduler object with just the state these methods read."""
-    from sglang.srt.runtime_context import get_server_args
-
-    server_args = get_server_args()  # the harness's, published with the cache
-    server_args.enable_session_radix_cache = True
-    sched = Scheduler.__new__(Scheduler)
-    sched.server_args = server_args
-    sched.tree_cache = cache
-    sched.session_controller = SessionController(cache)
-    sched.ps = SimpleNamespace(pp_rank=0, tp_rank=0, attn_cp_rank=0)
-    sched.enable_priority_scheduling = False
-    sched.disaggregation_mode = DisaggregationMode.NULL
-    sched.max_queued_requests = None
-    sched.waiting_queue = []
-    sched.enable_hicache_storage = False
-    return sched
 
 
 def test_scheduler_arrivals_refresh_and_reopen():

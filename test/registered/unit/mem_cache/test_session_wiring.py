@@ -12,17 +12,15 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from cache_fixtures import make_full_cache, publish_server_args  # noqa: E402
+from session_test_utils import make_scheduler  # noqa: E402
 
 import sglang.srt.managers.schedule_batch as schedule_batch  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.managers.io_struct import (  # noqa: E402
     CloseSessionReqInput,
     OpenSessionReqInput,
 )
-from sglang.srt.managers.scheduler import Scheduler  # noqa: E402
 from sglang.srt.mem_cache import registry  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
-from sglang.srt.session.session_controller import SessionController  # noqa: E402
 
 
 @pytest.fixture
@@ -75,25 +73,10 @@ def test_guard_warns_when_cache_is_not_unified(server_args, caplog):
     assert "has no effect" not in caplog.text
 
 
-def make_scheduler(server_args, cache):
-    """A real Scheduler object with just the state these methods read."""
-    sched = Scheduler.__new__(Scheduler)
-    sched.server_args = server_args
-    sched.tree_cache = cache
-    sched.session_controller = SessionController(cache)
-    sched.ps = SimpleNamespace(pp_rank=0, tp_rank=0, attn_cp_rank=0)
-    sched.enable_priority_scheduling = False
-    sched.disaggregation_mode = DisaggregationMode.NULL
-    sched.max_queued_requests = None
-    sched.waiting_queue = []
-    sched.enable_hicache_storage = False
-    return sched
-
-
 def test_open_and_close_session_forward_to_the_cache(server_args):
     h = make_full_cache(enable_session=True)
     tracker = h.cache.session_ref_tracker
-    sched = make_scheduler(server_args, h.cache)
+    sched = make_scheduler(h.cache, server_args)
 
     out = sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="agent-42"))
     assert out.success
@@ -115,7 +98,7 @@ def test_open_and_close_session_forward_to_the_cache(server_args):
 
 def test_bad_close_is_logged_not_raised(server_args, caplog):
     h = make_full_cache(enable_session=True)
-    sched = make_scheduler(server_args, h.cache)
+    sched = make_scheduler(h.cache, server_args)
     h.run_request(list(range(20)), session_id="keep")
     with caplog.at_level(logging.WARNING):
         sched.close_session(CloseSessionReqInput(session_id=""))
@@ -126,7 +109,7 @@ def test_bad_close_is_logged_not_raised(server_args, caplog):
 
 def test_arriving_request_gets_its_generation(server_args):
     h = make_full_cache(enable_session=True)
-    sched = make_scheduler(server_args, h.cache)
+    sched = make_scheduler(h.cache, server_args)
     req = h.new_req(list(range(10)), session_id="agent-7")
     sched._add_request_to_queue(req)
     assert sched.waiting_queue == [req]
@@ -145,7 +128,7 @@ def test_arriving_request_gets_its_generation(server_args):
 def test_request_with_empty_session_id_is_aborted(server_args, monkeypatch):
     monkeypatch.setattr(schedule_batch, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
     h = make_full_cache(enable_session=True)
-    sched = make_scheduler(server_args, h.cache)
+    sched = make_scheduler(h.cache, server_args)
     req = h.new_req(list(range(10)), session_id="  ")
     sched._add_request_to_queue(req)
     assert type(req.to_finish).__name__ == "FINISH_ABORT"
@@ -156,7 +139,7 @@ def test_request_with_empty_session_id_is_aborted(server_args, monkeypatch):
 def test_flag_off_scheduler_leaves_requests_alone(server_args):
     server_args.enable_session_radix_cache = False
     h = make_full_cache(enable_session=False)
-    sched = make_scheduler(server_args, h.cache)
+    sched = make_scheduler(h.cache, server_args)
     req = h.new_req(list(range(10)), session_id="s")
     sched._add_request_to_queue(req)
     assert getattr(req, "session_ref_generation", None) is None

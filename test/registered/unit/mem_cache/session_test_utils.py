@@ -1,0 +1,49 @@
+"""Helpers shared by the session tests: session-enabled cache shapes, a
+scheduler-style arrival, and a real Scheduler object holding just the state
+its session methods read."""
+
+from types import SimpleNamespace
+
+from cache_fixtures import make_full_cache, make_swa_cache, make_swa_mamba_cache
+
+SHAPES = {
+    "full": lambda **kw: make_full_cache(enable_session=True, **kw),
+    "swa": lambda **kw: make_swa_cache(enable_session=True, **kw),
+    "swa_mamba": lambda **kw: make_swa_mamba_cache(enable_session=True, **kw),
+}
+
+
+def prompt(base, n=40):
+    return list(range(base, base + n))
+
+
+def arrive(h, tokens, sid):
+    """What the scheduler does when a request arrives: stamp the generation."""
+    req = h.new_req(tokens, session_id=sid)
+    h.cache.ensure_session_generation(req)
+    return req
+
+
+def make_scheduler(cache, server_args=None):
+    """A real ``Scheduler`` with just the state the session methods read.
+    Without ``server_args`` it uses the published (harness) ones with the
+    session flag on."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.runtime_context import get_server_args
+    from sglang.srt.session.session_controller import SessionController
+
+    if server_args is None:
+        server_args = get_server_args()
+        server_args.enable_session_radix_cache = True
+    sched = Scheduler.__new__(Scheduler)
+    sched.server_args = server_args
+    sched.tree_cache = cache
+    sched.session_controller = SessionController(cache)
+    sched.ps = SimpleNamespace(pp_rank=0, tp_rank=0, attn_cp_rank=0)
+    sched.enable_priority_scheduling = False
+    sched.disaggregation_mode = DisaggregationMode.NULL
+    sched.max_queued_requests = None
+    sched.waiting_queue = []
+    sched.enable_hicache_storage = False
+    return sched
