@@ -200,7 +200,11 @@ class ComponentSessionRefs(ABC):
             return
         # Wholesale drop relies on nothing below covering the node.
         node_deleted = node_deleted and not node.children
-        target = self._nearest_reusable_ancestor(node)
+        parent = node.parent
+        if parent is not self.cache.root_node and parent is not None and self.reusable(parent):
+            target = parent  # the common case, without the walk
+        else:
+            target = self._nearest_reusable_ancestor(node)
         cd.session_leaf_of = None
         moved = None  # (added, removed): the same for every session
         for sid in sids:
@@ -214,7 +218,8 @@ class ComponentSessionRefs(ABC):
             else:
                 if moved is None:
                     moved = self._relocation_delta(node, target, node_deleted)
-                self._apply_delta(sid, *moved)
+                if moved[0] or moved[1]:
+                    self._apply_delta(sid, *moved)
                 idx.add(target)
                 tcd = target.component_data[self.ct]
                 if tcd.session_leaf_of is None:
@@ -395,6 +400,8 @@ class FullSessionRefs(ComponentSessionRefs):
         # The target is an ancestor, so its path is a suffix of the old one:
         # only the nodes strictly below it lose this reference (none at all
         # when a deleted leaf hands over to its parent — the common case).
+        if node_deleted and target is node.parent:
+            return (), ()
         removed = []
         cur = node.parent if node_deleted else node
         while cur is not target:

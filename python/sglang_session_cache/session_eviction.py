@@ -107,7 +107,11 @@ def _drive_lru_eviction(component, request: int, tracker: dict) -> None:
         x = lru.get_lru_no_lock()
         try:
             while tracker[ct] < request and x is not None:
-                if protect and cascade_blocked(cache, x, component):
+                if (
+                    protect
+                    and not x.component_data[ct].session_ref
+                    and cascade_blocked(cache, x, component)
+                ):
                     x = lru.get_prev_no_lock(x)
                     continue
                 lru.park_cursor_before(x)
