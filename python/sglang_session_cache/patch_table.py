@@ -60,7 +60,7 @@ PATCHES: tuple[Patch, ...] = (
         module="sglang.srt.mem_cache.unified_radix_cache",
         targets=(
             "UnifiedRadixCache.__init__", "UnifiedRadixCache._reset_full",
-            "UnifiedRadixCache.insert", "UnifiedRadixCache.cache_finished_req",
+            "UnifiedRadixCache.cache_finished_req",
             "UnifiedRadixCache._split_node", "UnifiedRadixCache._remove_leaf_from_parent",
             "UnifiedRadixCache._evict_component_and_detach_lru",
             "UnifiedRadixCache._check_lru_linked_list",

@@ -58,6 +58,15 @@ def full_eviction_key(cache, node):
 
 
 class SessionAwareFullComponent(FullComponent):
+    def commit_insert_component_data(self, node, is_new_leaf, params, result):
+        # The insert walk ends on ``node``: a finishing request's session
+        # reference goes here (cache_finished_req opens the capture).  Later
+        # SWA splits keep ``node`` as the lower, leaf-end part.
+        capture = self.cache._session_insert_capture
+        if capture is not None:
+            capture.append(node)
+        return super().commit_insert_component_data(node, is_new_leaf, params, result)
+
     def drive_eviction(self, params, tracker):
         cache = self.cache
         _full_heap_drive(

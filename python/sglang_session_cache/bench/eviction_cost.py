@@ -60,7 +60,7 @@ def build(kind: str, n_leaves: int, enable_session: bool):
 def reference(h, leaves, fraction: float, seed: int = 0) -> int:
     """Give ``fraction`` of the leaves a one-session reference each."""
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_session_cache.patches.unified_cache import _locate
+    from sglang_session_cache.patches.unified_cache import locate_node
 
     tracker = h.cache.session_ref_tracker
     if tracker is None:
@@ -71,7 +71,7 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
         sid = f"s{i}"
         want = rng.random() < fraction
         if want and sid not in tracker.generations:
-            node = _locate(h.cache, RadixKey(ids))
+            node = locate_node(h.cache, RadixKey(ids))
             if node is None:
                 continue  # already evicted by an earlier cell
             tracker.open_radix_session(sid)

@@ -53,6 +53,15 @@ def attach_session_tracking(cache) -> None:
         cache, on_ref_change=functools.partial(_on_ref_change, cache)
     )
     _install_partitioned_lrus(cache)
+    from sglang_session_cache.session_eviction import SessionAwareFullComponent
+
+    if not isinstance(cache.components.get(0), SessionAwareFullComponent):
+        # Finishing requests find their session leaf through this component.
+        logger.warning(
+            "Session radix cache: the FULL component was overridden (%s); session "
+            "references will not be registered.",
+            type(cache.components.get(0)).__name__,
+        )
     logger.info(
         "Session radix cache enabled on the unified tree (components %s): "
         "referenced KV is evicted last, never pinned.",
@@ -60,8 +69,9 @@ def attach_session_tracking(cache) -> None:
     )
 
 
-def _locate(cache, key):
-    """The node an insert of ``key`` ended on, without touching LRU state."""
+def locate_node(cache, key):
+    """The node an insert of ``key`` ended on, without touching LRU state
+    (for benchmarks and tests; finishing requests capture it during the insert)."""
     key, _ = key.maybe_to_bigram_view(cache.is_eagle)
     key = key.page_aligned(cache.page_size)
     node = cache.root_node
@@ -114,17 +124,6 @@ def _wrap_reset_full(orig):
     return _reset_full
 
 
-def _wrap_insert(orig):
-    def insert(self, params):
-        result = orig(self, params)
-        capture = self._session_insert_capture
-        if capture is not None and not self.disable:
-            capture.append(_locate(self, params.key))
-        return result
-
-    return insert
-
-
 def _wrap_cache_finished_req(orig):
     def cache_finished_req(self, req, is_insert=True, *, kv_len_to_handle, **kwargs):
         tracker = self.session_ref_tracker
@@ -138,7 +137,8 @@ def _wrap_cache_finished_req(orig):
             orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
         finally:
             self._session_insert_capture = None
-        # Registered only after the insert (and the whole finish) succeeded.
+        # The session-aware FULL component recorded where the insert ended;
+        # registered only after the insert (and the whole finish) succeeded.
         if capture and capture[-1] is not None:
             tracker.register_session_ref(req, capture[-1])
 
@@ -315,7 +315,6 @@ def apply_unified_cache(module) -> None:
         module.UnifiedTreeNode.full_session_ref = 0
     wrap_method(cls, "__init__", _wrap_init)
     wrap_method(cls, "_reset_full", _wrap_reset_full)
-    wrap_method(cls, "insert", _wrap_insert)
     wrap_method(cls, "cache_finished_req", _wrap_cache_finished_req)
     wrap_method(cls, "_split_node", _wrap_split_node)
     wrap_method(cls, "_remove_leaf_from_parent", _wrap_remove_leaf)

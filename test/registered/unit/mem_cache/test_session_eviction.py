@@ -206,11 +206,11 @@ def test_swa_leaf_eviction_spares_referenced_full_until_needed():
     from array import array
 
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_session_cache.patches.unified_cache import _locate
+    from sglang_session_cache.patches.unified_cache import locate_node
 
     ids = list(victim.origin_input_ids)[: (len(victim.origin_input_ids) // 4) * 4]
     key = RadixKey(array("q", ids))
-    node = _locate(h.cache, key)
+    node = locate_node(h.cache, key)
     assert node in h.cache.evictable_device_leaves
     # A FULL-only reference: the leaf's SWA window is unreferenced, its FULL
     # path is referenced (as with a host-resident session leaf below it).
