@@ -335,13 +335,22 @@ class ComponentSessionRefs(ABC):
                 f"stored on tree nodes (e.g. {missing[:3]})"
             )
 
-    def referenced_tokens(self, nodes: list) -> int:
-        """Tokens of this component's device data held under a reference."""
+    def referenced_nodes(self) -> set:
+        """Nodes some session leaf covers for this component."""
+        seen: set = set()
+        for leaves in self.leaves.values():
+            for leaf in leaves:
+                seen.update(self.covered(leaf))
+        return seen
+
+    def referenced_tokens(self) -> int:
+        """Device data of this component held under a reference (tokens;
+        states for Mamba)."""
         total = 0
-        for n in nodes:
-            cd = n.component_data[self.ct]
-            if cd.session_ref and cd.value is not None:
-                total += len(cd.value)
+        for n in self.referenced_nodes():
+            value = n.component_data[self.ct].value
+            if value is not None:
+                total += len(value)
         return total
 
 
@@ -395,6 +404,18 @@ class FullSessionRefs(ComponentSessionRefs):
     def reusable(self, node):
         cd = node.component_data[self.ct]
         return cd.value is not None or cd.host_value is not None
+
+    def referenced_nodes(self) -> set:
+        # Path rule: a node already seen has all its ancestors seen too.
+        root = self.cache.root_node
+        seen: set = set()
+        for leaves in self.leaves.values():
+            for leaf in leaves:
+                cur = leaf
+                while cur is not None and cur is not root and cur not in seen:
+                    seen.add(cur)
+                    cur = cur.parent
+        return seen
 
     def _relocation_delta(self, node, target, node_deleted):
         # The target is an ancestor, so its path is a suffix of the old one:

@@ -35,8 +35,6 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
-from sglang_session_cache.component_refs import FullSessionRefs
-
 #: Log / Prometheus reads reuse a referenced-token walk this long (seconds).
 REFERENCED_TOKENS_MAX_AGE_S = 1.0
 
@@ -53,31 +51,9 @@ COUNTER_KEYS = (
 # ---- snapshot -------------------------------------------------------------------
 
 
-def _referenced_nodes(refs, root) -> set:
-    """Nodes some session leaf covers for this component."""
-    seen: set = set()
-    if isinstance(refs, FullSessionRefs):
-        # Path rule: a node already seen has all its ancestors seen too.
-        for leaves in refs.leaves.values():
-            for leaf in leaves:
-                cur = leaf
-                while cur is not None and cur is not root and cur not in seen:
-                    seen.add(cur)
-                    cur = cur.parent
-        return seen
-    for leaves in refs.leaves.values():
-        for leaf in leaves:
-            seen.update(refs.covered(leaf))
-    return seen
-
-
 def referenced_tokens(tracker) -> dict:
     """``{component name: device tokens (Mamba: states) under a reference}``."""
-    root = tracker.cache.root_node
-    return {
-        str(ct): refs.referenced_tokens(_referenced_nodes(refs, root))
-        for ct, refs in tracker.components.items()
-    }
+    return {str(ct): refs.referenced_tokens() for ct, refs in tracker.components.items()}
 
 
 def _cached_referenced_tokens(cache, tracker, max_age: float) -> dict:

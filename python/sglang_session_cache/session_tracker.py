@@ -88,7 +88,6 @@ class UnifiedSessionRefTracker:
     streaming: set = dataclasses.field(default_factory=set)
     counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
     components: dict = dataclasses.field(default_factory=dict)
-    relocating: frozenset = frozenset()
     relocating_components: tuple = ()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
@@ -121,14 +120,11 @@ class UnifiedSessionRefTracker:
             if refs is not None:
                 self.components[ct] = refs
         # Components whose references follow their data up the tree when it is
-        # evicted in place (checked on every component eviction, so a set).
-        self.relocating = frozenset(
-            ct for ct, refs in self.components.items() if refs.relocate_on_device_evict
-        )
-        # The same as component objects: an identity test, cheaper than
-        # hashing the enum on every component eviction.
+        # evicted in place; checked on every component eviction, by identity.
         self.relocating_components = tuple(
-            self.cache.components[ct] for ct in self.relocating
+            refs.component
+            for refs in self.components.values()
+            if refs.relocate_on_device_evict
         )
         # Counters are monotonic: they survive a tree reset.
         for ct in self.components:
@@ -325,8 +321,7 @@ class UnifiedSessionRefTracker:
         """Cheap periodic hook (before eviction, on every finish, on metrics
         reads): one clock read and a look at the oldest open session."""
         if self.ttl is not None:
-            now = self.clock()
-            self._expire_until(now - self.ttl, now)
+            self._sweep()
 
     # ---- tree events (called from the cache hooks) ----
 
