@@ -110,7 +110,6 @@ def retain_floor_from_checkpoint(
     return max(0, checkpoint - sliding_window_size)
 
 
-
 def retain_floor_from_checkpoints(
     request_checkpoint: Optional[int],
     tree_checkpoint: Optional[int],
@@ -121,8 +120,5 @@ def retain_floor_from_checkpoints(
     request's Mamba-holding ``last_node``), minus the window, clamped at 0;
     ``None`` when neither exists. With ``tree_checkpoint=None`` this is
     :func:`retain_floor_from_checkpoint` (the request-only floor)."""
-    if tree_checkpoint is None:
-        return retain_floor_from_checkpoint(request_checkpoint, sliding_window_size)
-    if request_checkpoint is None or request_checkpoint < tree_checkpoint:
-        request_checkpoint = tree_checkpoint
-    return max(0, request_checkpoint - sliding_window_size)
+    known = [c for c in (request_checkpoint, tree_checkpoint) if c is not None]
+    return retain_floor_from_checkpoint(max(known, default=None), sliding_window_size)

@@ -62,13 +62,13 @@ def _wrap_free_swa_out_of_window_slots(orig):
         is_chunk_cache=False,
         retain_floor=None,
     ):
-        if retain_floor is not None and not is_chunk_cache:
-            pre_len = clamp_pre_len(
-                pre_len,
-                retain_floor,
-                sliding_window_size=sliding_window_size,
-                page_size=page_size,
-            )
+        pre_len = clamp_pre_len(
+            pre_len,
+            retain_floor,
+            sliding_window_size=sliding_window_size,
+            page_size=page_size,
+            is_chunk_cache=is_chunk_cache,
+        )
         return orig(
             req,
             pre_len,
