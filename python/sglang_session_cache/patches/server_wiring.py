@@ -69,18 +69,11 @@ def apply_server_args_ttl(module) -> None:
 def _wrap_create_tree_cache(orig):
     def create_tree_cache(ctx):
         cache = orig(ctx)
-        server_args = getattr(ctx, "server_args", None)
-        if (
-            server_args is not None
-            and getattr(server_args, "enable_session_radix_cache", False)
-            and getattr(cache, "session_ref_tracker", None) is None
-        ):
+        server_args = getattr(ctx, "server_args", None)  # getattr(None, ...) is safe
+        enabled = bool(getattr(server_args, "enable_session_radix_cache", False))
+        if enabled and getattr(cache, "session_ref_tracker", None) is None:
             _registry_logger.warning(NO_EFFECT_WARNING.format(kind=type(cache).__name__))
-        if (
-            server_args is not None
-            and getattr(server_args, "session_radix_cache_ttl", None) is not None
-            and not getattr(server_args, "enable_session_radix_cache", False)
-        ):
+        if not enabled and getattr(server_args, "session_radix_cache_ttl", None) is not None:
             _registry_logger.warning(TTL_NO_EFFECT_WARNING)
         return cache
 
