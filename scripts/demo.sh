@@ -7,5 +7,5 @@ cd "$ROOT"
 VENV="${SGLANG_SESSION_CACHE_VENV:-$ROOT/.venv}"
 
 bash scripts/bootstrap.sh
-echo "[demo] python -m sglang_session_cache.bench.agentic $*"
-exec "$VENV/bin/python" -m sglang_session_cache.bench.agentic "$@"
+echo "[demo] python -m sglang_session_cache_bench.agentic $*"
+exec "$VENV/bin/python" -m sglang_session_cache_bench.agentic "$@"

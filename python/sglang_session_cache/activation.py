@@ -42,17 +42,18 @@ This module must stay cheap to import (stdlib built-ins only at import time).
 from __future__ import annotations
 
 import _thread
-import os
 import sys
 
-REQUIRED_SGLANG_VERSION = "0.5.16"
+from sglang_session_cache.version_guard import (  # noqa: F401 (re-exported)
+    FAKE_VERSION_ENV,
+    REQUIRED_SGLANG_VERSION,
+    check_sglang_version,
+    installed_sglang_version,
+)
 
 # Root packages that may hold patched modules. The finder's fast path rejects
 # every other import without looking at the patch table.
 WATCHED_ROOTS = frozenset({"sglang"})
-
-# TEST-ONLY: overrides the sglang version seen by the version guard.
-FAKE_VERSION_ENV = "SGLANG_SESSION_CACHE_FAKE_SGLANG_VERSION"
 
 _UNSET = object()
 
@@ -73,66 +74,8 @@ def _logger():
 
 
 # --------------------------------------------------------------------------
-# Version guard
+# Version guard (the checks live in version_guard; this keeps the verdict)
 # --------------------------------------------------------------------------
-
-
-def _release_tuple(version: str) -> tuple[int, ...] | None:
-    """Fallback parser for when ``packaging`` is missing: '0.5.16' -> (0, 5, 16)."""
-    parts = version.strip().split(".")
-    if not parts or not all(p.isdigit() for p in parts):
-        return None
-    return tuple(int(p) for p in parts)
-
-
-def _compare(found: str) -> int | None:
-    """-1/0/1 for found older/equal/newer than required; None if unparsable."""
-    try:
-        from packaging.version import InvalidVersion, Version
-    except ImportError:  # pragma: no cover - packaging is a declared dependency
-        got, want = _release_tuple(found), _release_tuple(REQUIRED_SGLANG_VERSION)
-        if got is None or want is None:
-            return None
-        return (got > want) - (got < want)
-    try:
-        got = Version(found)
-    except InvalidVersion:
-        return None
-    want = Version(REQUIRED_SGLANG_VERSION)
-    return (got > want) - (got < want)
-
-
-def check_sglang_version(found: str | None) -> str | None:
-    """Return ``None`` if ``found`` is the supported sglang version, else the
-    refusal message to log. ``found=None`` means sglang is not installed."""
-    prefix = "sglang-session-cache: refusing to activate: "
-    required = f"this patch set requires sglang=={REQUIRED_SGLANG_VERSION} exactly."
-    if found is None:
-        return f"{prefix}sglang is not installed (no package metadata); {required}"
-    cmp = _compare(found)
-    if cmp == 0:
-        return None
-    message = f"{prefix}found sglang {found}, {required}"
-    if cmp is not None and cmp > 0:
-        message += (
-            " Newer SGLang releases ship a native session radix cache "
-            "(--enable-session-radix-cache); use that instead."
-        )
-    return message + " SGLang will run unpatched."
-
-
-def installed_sglang_version() -> str | None:
-    """The sglang version the guard checks (package metadata, or the test-only
-    fake from ``SGLANG_SESSION_CACHE_FAKE_SGLANG_VERSION``)."""
-    fake = os.environ.get(FAKE_VERSION_ENV, "").strip()
-    if fake:
-        return fake
-    from importlib import metadata
-
-    try:
-        return metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _refusal() -> str | None:

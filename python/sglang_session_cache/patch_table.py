@@ -23,7 +23,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-from sglang_session_cache.activation import REQUIRED_SGLANG_VERSION
+from sglang_session_cache.version_guard import REQUIRED_SGLANG_VERSION
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The agentic-session benchmark (``sglang_session_cache.bench.agentic``) and its
+"""The agentic-session benchmark (``sglang_session_cache_bench.agentic``) and its
 trace module: the quick run on the real patched cache, its outputs, identical
 off/on request streams, session-on reuse under pressure, JSONL replay, and
 line-numbered errors for bad JSONL."""
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from sglang_session_cache.bench import agentic
-from sglang_session_cache.bench.trace import (
+from sglang_session_cache_bench import agentic
+from sglang_session_cache_bench.trace import (
     GeneratorConfig,
     TraceClose,
     TraceError,
@@ -27,7 +27,7 @@ from sglang_session_cache.bench.trace import (
 @pytest.fixture(scope="module", autouse=True)
 def _release_server_args():
     yield
-    from sglang_session_cache.harness import release_server_args
+    from sglang_session_cache_bench.harness import release_server_args
 
     release_server_args()
 
@@ -310,7 +310,7 @@ def test_trace_file_errors(tmp_path, capsys):
 def test_cli_process_exits_nonzero_without_traceback(tmp_path):
     path = _write(tmp_path / "bad.jsonl", GOOD + ['{"tokens": [1], "output_len": -1}'])
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_session_cache.bench.agentic", "--trace", path],
+        [sys.executable, "-m", "sglang_session_cache_bench.agentic", "--trace", path],
         capture_output=True, text=True, timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )

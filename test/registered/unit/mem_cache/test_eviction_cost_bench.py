@@ -1,7 +1,7 @@
 """The per-eviction cost benchmark runs end to end on tiny trees (no timing
 assertions here: the targets live in the benchmark's own output)."""
 
-from sglang_session_cache.bench import eviction_cost
+from sglang_session_cache_bench import eviction_cost
 
 
 def test_eviction_cost_benchmark_smoke(capsys, tmp_path):

@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.unified_cache_components import swa_component  # noqa:
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang_session_cache.activation import applied_patches  # noqa: E402
-from sglang_session_cache.bench import retain_floor_replay as replay  # noqa: E402
+from sglang_session_cache_bench import retain_floor_replay as replay  # noqa: E402
 from sglang_session_cache.patches import swa_retain_floor as patch  # noqa: E402
 from sglang_session_cache.patches._wrap import PATCHED_FLAG  # noqa: E402
 

@@ -6,7 +6,7 @@ the session tracker, then times single-leaf evictions. Off and on caches are
 measured alternately, eviction by eviction, and each cell's ratio is the
 median of the paired on/off ratios, so machine drift cancels out.
 
-    python -m sglang_session_cache.bench.eviction_cost [--nodes 10000,100000]
+    python -m sglang_session_cache_bench.eviction_cost [--nodes 10000,100000]
 
 Target (issue 4): flag-on within 1.2x of flag-off in every cell, flat in the
 referenced fraction.
@@ -38,7 +38,7 @@ def build(kind: str, n_leaves: int, enable_session: bool):
 
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang_session_cache.harness import make_full_cache, make_swa_cache
+    from sglang_session_cache_bench.harness import make_full_cache, make_swa_cache
 
     tokens = n_leaves * TOKENS_PER_LEAF + 4 * GROUPS + 64
     if kind == "full":

@@ -1,7 +1,7 @@
 """CPU replay: does the SWA retain floor let a hybrid SWA + Mamba model reuse
 what it decoded?
 
-    python -m sglang_session_cache.bench.retain_floor_replay \
+    python -m sglang_session_cache_bench.retain_floor_replay \
         [--requests 32] [--page-size 128] [--track-intervals 256,512]
 
 For each Mamba track interval and each floor setting (off / old / tree, see
@@ -166,7 +166,7 @@ def build_env(
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
-    from sglang_session_cache.harness import _swa_kv_and_allocator, tiny_mamba_cache_params
+    from sglang_session_cache_bench.harness import _swa_kv_and_allocator, tiny_mamba_cache_params
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -501,7 +501,7 @@ def run_setting(
 
 def _parse_args(argv):
     p = argparse.ArgumentParser(
-        prog="python -m sglang_session_cache.bench.retain_floor_replay",
+        prog="python -m sglang_session_cache_bench.retain_floor_replay",
         description=__doc__.split("\n\n")[0],
     )
     p.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)

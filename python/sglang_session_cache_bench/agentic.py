@@ -1,11 +1,11 @@
 """Agentic-session benchmark: replay multi-turn agent sessions through the real,
 patched SGLang ``UnifiedRadixCache`` on CPU, with the session cache off and on.
 
-    python -m sglang_session_cache.bench.agentic [--quick] [--trace FILE.jsonl]
+    python -m sglang_session_cache_bench.agentic [--quick] [--trace FILE.jsonl]
     sglang-session-cache-bench ...            (the same, once installed)
 
 Workload (``--trace`` replaces it with a recorded one; format in
-``sglang_session_cache.bench.trace``): up to ``--concurrency`` agent sessions
+``sglang_session_cache_bench.trace``): up to ``--concurrency`` agent sessions
 are open at once, ``--sessions`` in total. Every turn resends the whole
 conversation -- a shared system prompt, the task, and for each earlier turn the
 model's output and the tool output (or user message) appended after it -- so
@@ -16,7 +16,7 @@ the traffic and arrive interleaved.
 
 Replay: for every shape (FULL, FULL+SWA, FULL+SWA+Mamba) and every pool size,
 the same trace runs twice on a fresh cache built by
-``sglang_session_cache.harness`` -- once with ``enable_session=False`` and once
+``sglang_session_cache_bench.harness`` -- once with ``enable_session=False`` and once
 with ``enable_session=True``. Each request goes through what the scheduler
 does: ``ensure_session_generation`` on arrival, prefill
 (``init_next_round_input`` match, lock, ``alloc_for_extend`` with eviction),
@@ -68,7 +68,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sglang_session_cache.bench.trace import (
+from sglang_session_cache_bench.trace import (
     GeneratorConfig,
     Trace,
     TraceClose,
@@ -280,7 +280,7 @@ def _ratio(a: float, b: float) -> float:
 
 def make_harness(shape: str, pool_tokens: int, enable_session: bool, max_context_len: int):
     """A fresh real cache of ``shape`` with a ``pool_tokens`` FULL pool."""
-    from sglang_session_cache import harness as hz
+    from sglang_session_cache_bench import harness as hz
 
     swa_tokens = max(1, int(pool_tokens * SWA_FULL_TOKENS_RATIO))
     common = dict(enable_session=enable_session, max_num_reqs=MAX_NUM_REQS,
@@ -446,7 +446,7 @@ def run_benchmark(args, trace: Trace) -> dict:
     that is written as JSON."""
     import torch
 
-    from sglang_session_cache.harness import release_server_args
+    from sglang_session_cache_bench.harness import release_server_args
 
     # The pools' index tensors are small; with more than one intra-op thread,
     # every allocator torch.cat pays a thread-pool hand-off (measured ~7 ms vs
@@ -654,7 +654,7 @@ def main(argv: Optional[list] = None) -> int:
 
     # Import the harness (and with it SGLang's cache modules) up front, so the
     # load time is not charged to the first replay.
-    import sglang_session_cache.harness  # noqa: F401
+    import sglang_session_cache_bench.harness  # noqa: F401
 
     if not sglang_session_cache.activate():
         print("error: the session-cache patches are not active (wrong sglang "

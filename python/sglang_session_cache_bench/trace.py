@@ -1,4 +1,4 @@
-"""Agentic traces for ``sglang_session_cache.bench.agentic``: a seeded generator
+"""Agentic traces for ``sglang_session_cache_bench.agentic``: a seeded generator
 and a JSONL reader.
 
 A trace is an ordered list of events, replayed one after another:
