@@ -1,0 +1,289 @@
+"""Launch a real ``python -m sglang.launch_server`` on CPU and stop it cleanly.
+
+    from sglang_session_cache_bench.live_server import LaunchedServer, build_tiny_model
+
+    model = build_tiny_model("llama")            # or "mellum" (FULL+SWA)
+    with LaunchedServer(model, session_cache=True) as srv:
+        srv.wait_ready()
+        requests.post(srv.url + "/generate", json={...})
+        print(srv.log_text())
+
+The server runs with ``--device cpu --attention-backend torch_native
+--disable-cuda-graph --max-total-tokens N`` (``SGLANG_USE_CPU_ENGINE`` is never
+set: with no platform detected SGLang's ops fall back to plain torch). It runs
+in its own process group (``start_new_session``), so ``stop()`` ends the HTTP
+server, tokenizer manager, scheduler and detokenizer together by group id. Its
+stdout+stderr go to a log file that outlives the server (``log_text()``).
+
+Several servers start in parallel: construct them, call ``start()`` on each,
+then ``wait_ready()`` on each (``start_all`` does exactly that).
+
+Test-only helpers from the repository's ``test/`` directory are put on the
+server's ``PYTHONPATH`` when needed: ``test/stand_ins`` (an import stand-in for
+``vllm._custom_ops``) only when ``vllm`` is not importable, and
+``test/workarounds/torch_native_swa`` when ``swa_index_workaround=True`` (an
+upstream 0.5.16 torch_native bug, see ``test/workarounds/README.md``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from sglang_session_cache_bench.tiny_models import KINDS, build_tiny_model
+
+UNIFIED_ENV = "SGLANG_ENABLE_UNIFIED_RADIX_TREE"
+TEST_DIR_ENV = "SGLANG_SESSION_CACHE_TEST_DIR"
+DEFAULT_MAX_TOTAL_TOKENS = 4096
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy; the message ends with its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_test_dir() -> Optional[Path]:
+    """The repository's ``test/`` directory (env override, then upwards from
+    this file and from the working directory)."""
+    env = os.environ.get(TEST_DIR_ENV)
+    if env:
+        return Path(env)
+    for start in (Path(__file__).resolve(), Path.cwd().resolve()):
+        for parent in (start, *start.parents):
+            cand = parent / "test" / "stand_ins"
+            if cand.is_dir():
+                return cand.parent
+    return None
+
+
+def helper_paths(swa_index_workaround: bool) -> List[str]:
+    """Test-only ``PYTHONPATH`` entries this machine needs (see module doc)."""
+    need_vllm = importlib.util.find_spec("vllm") is None
+    if not (need_vllm or swa_index_workaround):
+        return []
+    test_dir = find_test_dir()
+    if test_dir is None:
+        raise ServerStartError(
+            "the repository's test/ directory was not found (needed for the "
+            f"vllm stand-in / SWA workaround); set {TEST_DIR_ENV}=<repo>/test"
+        )
+    paths = []
+    if need_vllm:
+        paths.append(str(test_dir / "stand_ins"))
+    if swa_index_workaround:
+        paths.append(str(test_dir / "workarounds" / "torch_native_swa"))
+    return paths
+
+
+class LaunchedServer:
+    """One SGLang HTTP server process group.
+
+    ``model``: a model directory or a tiny-model kind (``"llama"``, ``"mellum"``).
+    ``session_cache``: pass ``--enable-session-radix-cache``.
+    ``unified``: set ``SGLANG_ENABLE_UNIFIED_RADIX_TREE=1`` (``False`` leaves it unset).
+    ``extra_args``: more CLI arguments; ``env``: more environment variables.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        session_cache: bool = True,
+        unified: bool = True,
+        max_total_tokens: int = DEFAULT_MAX_TOTAL_TOKENS,
+        extra_args: Sequence[str] = (),
+        env: Optional[Dict[str, str]] = None,
+        swa_index_workaround: Optional[bool] = None,
+        port: Optional[int] = None,
+        log_path: Optional[os.PathLike] = None,
+        python: str = sys.executable,
+        name: Optional[str] = None,
+    ):
+        self.kind = model if model in KINDS else None
+        self.model = model
+        if swa_index_workaround is None:
+            swa_index_workaround = self.kind == "mellum"
+        self.swa_index_workaround = swa_index_workaround
+        self.session_cache = session_cache
+        self.unified = unified
+        self.max_total_tokens = max_total_tokens
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(env or {})
+        self.port = port or free_port()
+        self.python = python
+        self.name = name or f"{self.kind or 'model'}-{'on' if session_cache else 'off'}"
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"sglang-{self.name}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        self.proc: Optional[subprocess.Popen] = None
+        self.started_at: Optional[float] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self, model_path: str) -> List[str]:
+        cmd = [
+            self.python, "-m", "sglang.launch_server",
+            "--model-path", model_path,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--device", "cpu",
+            "--attention-backend", "torch_native",
+            "--disable-cuda-graph",
+            "--max-total-tokens", str(self.max_total_tokens),
+        ]
+        if self.session_cache:
+            cmd.append("--enable-session-radix-cache")
+        return cmd + self.extra_args
+
+    def environment(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        env.pop("SGLANG_USE_CPU_ENGINE", None)  # the plain-torch fallback path
+        env.pop(UNIFIED_ENV, None)
+        if self.unified:
+            env[UNIFIED_ENV] = "1"
+        extra = helper_paths(self.swa_index_workaround)
+        if extra:
+            old = env.get("PYTHONPATH")
+            env["PYTHONPATH"] = os.pathsep.join(extra + ([old] if old else []))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> "LaunchedServer":
+        if self.proc is not None:
+            return self
+        model_path = str(build_tiny_model(self.kind)) if self.kind else self.model
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command(model_path),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.environment(),
+                start_new_session=True,  # own process group: stop() ends all of it
+            )
+        self.started_at = time.monotonic()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float = DEFAULT_STARTUP_TIMEOUT_S) -> "LaunchedServer":
+        """Block until ``/health`` answers 200; raise ``ServerStartError`` if the
+        server exits first or ``timeout`` passes."""
+        import urllib.error
+        import urllib.request
+
+        self.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ServerStartError(
+                    f"{self.name}: server exited with status {self.proc.returncode}\n"
+                    + self.log_tail()
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise ServerStartError(f"{self.name}: not healthy after {timeout:.0f}s\n" + self.log_tail())
+
+    def wait_exit(self, timeout: float) -> Optional[int]:
+        """For launches expected to fail: the exit status, or ``None`` if still running."""
+        self.start()
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, n: int = 80) -> str:
+        lines = self.log_text().splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``timeout``."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # group leader: start_new_session made pgid == pid
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + wait
+            while time.monotonic() < end:
+                if self.proc.poll() is not None and not _group_alive(pgid):
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=5)
+
+    def __enter__(self) -> "LaunchedServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def start_all(servers: Iterable[LaunchedServer], timeout: float = DEFAULT_STARTUP_TIMEOUT_S):
+    """Start every server at once, then wait for each; on failure stop them all."""
+    servers = list(servers)
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready(timeout)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+__all__ = [
+    "LaunchedServer",
+    "ServerStartError",
+    "build_tiny_model",
+    "find_test_dir",
+    "free_port",
+    "helper_paths",
+    "start_all",
+]
