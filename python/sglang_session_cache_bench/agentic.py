@@ -14,6 +14,10 @@ last turn; others are abandoned mid-way and never closed. Unrelated one-shot
 requests (a few app templates + unique bodies) make up ``--oneshot-frac`` of
 the traffic and arrive interleaved.
 
+``--trace`` also reads Mooncake/aiperf traces (``sglang_session_cache_bench.mooncake``);
+``--tag``/``--close``/``--mode`` replay the trace as clients that tag and close
+differently would send it (``sglang_session_cache_bench.workload_modes``).
+
 Replay: for every shape (FULL, FULL+SWA, FULL+SWA+Mamba) and every pool size,
 the same trace runs twice on a fresh cache built by
 ``sglang_session_cache_bench.harness`` -- once with ``enable_session=False`` and once
@@ -22,7 +26,10 @@ does: ``ensure_session_generation`` on arrival, prefill
 (``init_next_round_input`` match, lock, ``alloc_for_extend`` with eviction),
 ``output_len - 1`` decode steps, ``release_kv_cache`` (``cache_finished_req``,
 where the session reference is registered); a close calls
-``release_radix_session``. Requests run one at a time, in trace order.
+``release_radix_session``. Requests run one at a time, in trace order and in
+trace time: each event's ``time`` is the session cache's clock
+(``sglang_session_cache_bench.trace_clock``), so ``--session-radix-cache-ttl``
+expires idle sessions as it would on a server.
 
 Metrics (per run):
 
@@ -41,9 +48,10 @@ evicted
     over every ``evict`` call); SWA tokens and Mamba states are in the JSON.
 ms/req
     wall time per request (prefill + decode + finish, evictions included) on
-    this CPU harness -- it measures the cache bookkeeping, not a model.
+    this CPU harness -- it measures the cache bookkeeping, not a model, and
+    single runs are noisy: ``eviction_cost`` measures cost paired.
 gain
-    relative hit-rate gain, (on - off) / off.
+    on - off in hit-rate points, and relative, (on - off) / off.
 
 At the end of each run the harness's ``check()`` (``sanity_check`` + exact
 slot conservation for every pool) runs, session state is validated, and the
@@ -51,8 +59,9 @@ whole tree is evicted to confirm every pool comes back free. Anything wrong is
 listed under ``issues`` (stdout and JSON) and the exit status is 1.
 
 Outputs: a table per shape on stdout, progress on stderr, and in ``--out``
-(default ``bench_out/``): ``agentic_results.json`` and ``agentic_hit_rate.png``
-(hit rate vs pool size, off vs on, one panel per shape).
+(default ``bench_out/``): ``agentic_results.json`` (rewritten after every run,
+so a run cut short keeps what it measured) and ``agentic_hit_rate.png`` (hit
+rate vs pool size, off vs on, one panel per shape).
 """
 
 from __future__ import annotations
