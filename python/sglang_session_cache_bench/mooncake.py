@@ -174,18 +174,23 @@ def _read_lines(path: str, trace_block_size: int) -> list:
 
 
 class _BlockTokens:
-    """Hash id -> its block of token ids (dense, by first appearance)."""
+    """Hash id -> its block of token ids (dense, by first appearance). Blocks
+    are built once and shared, so prompts that resend a block reuse its int
+    objects instead of allocating new ones."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.index: dict = {}
+        self.blocks: dict = {}
 
     def expand(self, hashes: tuple, length: int) -> list:
-        bs = self.block_size
+        bs, blocks = self.block_size, self.blocks
         out: list = []
         for h in hashes:
-            k = self.index.setdefault(h, len(self.index))
-            out.extend(range(k * bs, (k + 1) * bs))
+            block = blocks.get(h)
+            if block is None:
+                k = len(blocks)
+                block = blocks[h] = list(range(k * bs, (k + 1) * bs))
+            out.extend(block)
         del out[length:]
         return out
 
