@@ -14,6 +14,10 @@ last turn; others are abandoned mid-way and never closed. Unrelated one-shot
 requests (a few app templates + unique bodies) make up ``--oneshot-frac`` of
 the traffic and arrive interleaved.
 
+``--trace`` also reads Mooncake/aiperf traces (``sglang_session_cache_bench.mooncake``);
+``--tag``/``--close``/``--mode`` replay the trace as clients that tag and close
+differently would send it (``sglang_session_cache_bench.workload_modes``).
+
 Replay: for every shape (FULL, FULL+SWA, FULL+SWA+Mamba) and every pool size,
 the same trace runs twice on a fresh cache built by
 ``sglang_session_cache_bench.harness`` -- once with ``enable_session=False`` and once
@@ -22,7 +26,10 @@ does: ``ensure_session_generation`` on arrival, prefill
 (``init_next_round_input`` match, lock, ``alloc_for_extend`` with eviction),
 ``output_len - 1`` decode steps, ``release_kv_cache`` (``cache_finished_req``,
 where the session reference is registered); a close calls
-``release_radix_session``. Requests run one at a time, in trace order.
+``release_radix_session``. Requests run one at a time, in trace order and in
+trace time: each event's ``time`` is the session cache's clock
+(``sglang_session_cache_bench.trace_clock``), so ``--session-radix-cache-ttl``
+expires idle sessions as it would on a server.
 
 Metrics (per run):
 
@@ -41,9 +48,10 @@ evicted
     over every ``evict`` call); SWA tokens and Mamba states are in the JSON.
 ms/req
     wall time per request (prefill + decode + finish, evictions included) on
-    this CPU harness -- it measures the cache bookkeeping, not a model.
+    this CPU harness -- it measures the cache bookkeeping, not a model, and
+    single runs are noisy: ``eviction_cost`` measures cost paired.
 gain
-    relative hit-rate gain, (on - off) / off.
+    on - off in hit-rate points, and relative, (on - off) / off.
 
 At the end of each run the harness's ``check()`` (``sanity_check`` + exact
 slot conservation for every pool) runs, session state is validated, and the
@@ -51,8 +59,9 @@ whole tree is evicted to confirm every pool comes back free. Anything wrong is
 listed under ``issues`` (stdout and JSON) and the exit status is 1.
 
 Outputs: a table per shape on stdout, progress on stderr, and in ``--out``
-(default ``bench_out/``): ``agentic_results.json`` and ``agentic_hit_rate.png``
-(hit rate vs pool size, off vs on, one panel per shape).
+(default ``bench_out/``): ``agentic_results.json`` (rewritten after every run,
+so a run cut short keeps what it measured) and ``agentic_hit_rate.png`` (hit
+rate vs pool size, off vs on, one panel per shape).
 """
 
 from __future__ import annotations
@@ -78,6 +87,22 @@ from sglang_session_cache_bench.trace import (
     read_jsonl,
     write_jsonl,
 )
+from sglang_session_cache.session_ttl import SessionTTLError, normalize_ttl
+from sglang_session_cache_bench import trace_clock
+from sglang_session_cache_bench.mooncake import (
+    DEFAULT_BLOCK_SIZE,
+    detect_format,
+    read_mooncake,
+)
+from sglang_session_cache_bench.workload_modes import (
+    CLOSE_CHOICES,
+    DEFAULT_MODE_TTL,
+    MODES,
+    TAG_CHOICES,
+    apply_policy,
+    mode_ttl,
+)
+from sglang_session_cache_bench.trace_clock import TraceClock
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +184,22 @@ def _positive(text: str) -> int:
     return v
 
 
+def _parse_modes(text: str) -> list:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    return list(dict.fromkeys(names))
+
+
+def _ttl(text: str) -> Optional[float]:
+    try:
+        return normalize_ttl(text)
+    except SessionTTLError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = GeneratorConfig()
     p = argparse.ArgumentParser(
@@ -183,10 +224,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"share of requests that are one-shot (default {d.oneshot_frac})")
     w.add_argument("--abandon", type=_fraction, default=None,
                    help=f"share of sessions abandoned without close (default {d.abandon})")
+    w.add_argument("--shared-docs", type=int, default=None, metavar="N",
+                   help="one-shot requests read one of N shared documents, so "
+                        "one-shot traffic shares prefixes (default 0: unique bodies)")
     w.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay a recorded trace instead of generating one")
+    w.add_argument("--trace-format", choices=("auto", "jsonl", "mooncake"), default="auto",
+                   help="format of --trace: this benchmark's JSONL or Mooncake/aiperf "
+                        "(timestamp, input_length, output_length, hash_ids); default: "
+                        "detected from the first line")
+    w.add_argument("--block-size", type=_positive, default=None, metavar="TOKENS",
+                   help=f"Mooncake: token ids per hash id in the replay (default "
+                        f"{DEFAULT_BLOCK_SIZE}); smaller scales the whole trace down "
+                        f"for CPU runs")
+    w.add_argument("--trace-block-size", type=_positive, default=None, metavar="TOKENS",
+                   help=f"Mooncake: tokens per hash id in the recorded trace "
+                        f"(default {DEFAULT_BLOCK_SIZE})")
     w.add_argument("--save-trace", metavar="FILE.jsonl",
                    help="also write the replayed trace as JSONL")
+    c = p.add_argument_group(
+        "client behaviour (how requests are tagged and sessions end)")
+    c.add_argument("--mode", type=_parse_modes, default=None, metavar="MODE[,MODE...]",
+                   help="named presets of --tag/--close/TTL, run one after another: "
+                        + "; ".join(f"{m.name}: {m.about}" for m in MODES.values())
+                        + f" (the TTL modes use {DEFAULT_MODE_TTL:g}s unless "
+                          "--session-radix-cache-ttl is given)")
+    c.add_argument("--tag", choices=TAG_CHOICES, default="sessions",
+                   help="sessions: as the trace says; all: every one-shot request "
+                        "gets a session id of its own, never closed (default sessions)")
+    c.add_argument("--close", choices=CLOSE_CHOICES, default="auto",
+                   help="auto: as the trace says; last-turn: close every session "
+                        "after its last request; never: drop every close (default auto)")
+    c.add_argument("--session-radix-cache-ttl", type=_ttl, default=None, metavar="SECONDS",
+                   dest="ttl",
+                   help="idle TTL of the session cache, in trace time (generated "
+                        "clock, JSONL 'time', Mooncake 'timestamp'); default off")
     r = p.add_argument_group("replay")
     r.add_argument("--shapes", type=_parse_shapes, default=list(SHAPES),
                    help=f"comma list of {','.join(SHAPES)} (default: all)")
@@ -212,7 +284,7 @@ def _generator_config(args) -> GeneratorConfig:
         cfg.oneshot_templates = 2
         cfg.oneshot_body = (64, 512)
     for name in ("sessions", "concurrency", "turns", "system_prompt",
-                 "oneshot_frac", "abandon"):
+                 "oneshot_frac", "abandon", "shared_docs"):
         v = getattr(args, name)
         if v is not None:
             setattr(cfg, name, v)
@@ -243,7 +315,8 @@ class RunStats:
     evicted_swa_tokens: int = 0
     evicted_mamba_states: int = 0
     evict_calls: int = 0
-    closes: int = 0
+    closes: int = 0  # close events
+    sessions_closed: int = 0  # closes that ended an open session
     released_refs: int = 0
     request_seconds: float = 0.0
     seconds: float = 0.0
@@ -326,25 +399,35 @@ def _count_evictions(cache, stats: RunStats) -> None:
 
 
 def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
-           check_every: int = 0) -> RunStats:
-    """Run ``trace`` once on a fresh cache; see the module doc for metrics."""
+           check_every: int = 0, ttl: Optional[float] = None) -> RunStats:
+    """Run ``trace`` once on a fresh cache, in trace time (each event's
+    ``time`` is the session cache's clock, so ``ttl`` expires idle sessions
+    as the trace unfolds); see the module doc for metrics."""
     summary = trace.summary()
     h = make_harness(shape, pool_tokens, enable_session,
                      max_context_len=summary["max_request_tokens"] + 8)
     cache = h.cache
+    clock = TraceClock()
+    trace_clock.attach(cache, clock, ttl)
     stats = RunStats(shape=shape, pool_tokens=pool_tokens, session=enable_session)
     _count_evictions(cache, stats)
     digest = hashlib.blake2b(digest_size=16)
     prev_prompt_len: dict = {}
+    open_ids: set = set()
     t_run = time.perf_counter()
     for ev in trace.events:
+        clock.advance(ev.time)
         if isinstance(ev, TraceClose):
             stats.closes += 1
+            stats.sessions_closed += ev.session_id in open_ids
+            open_ids.discard(ev.session_id)
             stats.released_refs += cache.release_radix_session(ev.session_id) or 0
             prev_prompt_len.pop(ev.session_id, None)
             digest.update(b"C" + ev.session_id.encode())
             continue
         sid = ev.session_id
+        if sid is not None:
+            open_ids.add(sid)
         t0 = time.perf_counter()
         req = h.new_req(ev.prompt, session_id=sid, output_ids=ev.output)
         # A request "arrives": the scheduler stamps its session generation.
@@ -356,6 +439,8 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
         h.finish(req)
         if ev.close:
             stats.closes += 1
+            stats.sessions_closed += 1
+            open_ids.discard(sid)
             stats.released_refs += cache.release_radix_session(sid) or 0
         stats.request_seconds += time.perf_counter() - t0
 
@@ -367,7 +452,7 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
         stats.prompt_tokens += n
         stats.reused_tokens += matched
         stats.requests_with_hit += matched > 0
-        if sid is None:
+        if ev.is_oneshot:
             stats.oneshot_prompt_tokens += n
             stats.oneshot_reused_tokens += matched
         else:
@@ -428,22 +513,34 @@ def _check_drains(h, stats: RunStats) -> None:
 # --------------------------------------------------------------------------
 
 
-def resolve_sizes(sizes: list, footprint: int, minimum: int) -> list:
-    out = []
+def resolve_sizes(sizes: list, footprint: int, minimum: int,
+                  notes: Optional[list] = None) -> list:
+    """Requested sizes -> sorted distinct pool sizes in tokens. Raised and
+    merged sizes are logged and, when ``notes`` is given, described there."""
+    out: dict = {}  # tokens -> requested labels
     for s in sizes:
         tokens = int(round(footprint * float(s[:-1]) / 100.0)) if isinstance(s, str) else s
+        label = s if isinstance(s, str) else f"{s:,}"
         if tokens < minimum:
-            logger.warning(
-                "pool size %s (%d tokens) cannot hold the longest request; using %d",
-                s, tokens, minimum)
+            msg = (f"pool size {label} ({tokens:,} tokens) raised to {minimum:,} tokens: "
+                   f"the longest request needs that")
+            logger.warning(msg)
+            if notes is not None:
+                notes.append(msg)
             tokens = minimum
-        out.append(tokens)
-    return sorted(set(out))
+        out.setdefault(tokens, []).append(label)
+    for tokens, labels in out.items():
+        if len(labels) > 1 and notes is not None:
+            notes.append(f"pool sizes {' and '.join(labels)} are all {tokens:,} tokens: "
+                         f"run once")
+    return sorted(out)
 
 
-def run_benchmark(args, trace: Trace) -> dict:
+def run_benchmark(args, trace: Trace, ttl: Optional[float] = None,
+                  on_cell=None) -> dict:
     """The sweep: every shape x size x (off, on). Returns the results dict
-    that is written as JSON."""
+    that is written as JSON; ``on_cell(results)`` is called after every run
+    so a caller can save what has been measured so far."""
     import torch
 
     from sglang_session_cache_bench.harness import release_server_args
@@ -455,22 +552,26 @@ def run_benchmark(args, trace: Trace) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _sweep(args, trace)
+        return _sweep(args, trace, ttl, on_cell or (lambda results: None))
     finally:
         torch.set_num_threads(threads)
         release_server_args()
 
 
-def _sweep(args, trace: Trace) -> dict:
+def _sweep(args, trace: Trace, ttl: Optional[float], on_cell) -> dict:
     summary = trace.summary()
     ideal = ideal_stats(trace)
     footprint = ideal["footprint"]
+    size_notes: list = []
     sizes = resolve_sizes(
         args.sizes or list(QUICK_SIZES if args.quick else DEFAULT_SIZES),
-        footprint, min_pool_tokens(trace))
+        footprint, min_pool_tokens(trace), size_notes)
     results = {
         "trace": summary,
         "trace_params": trace.params,
+        "workload": {"tag": trace.params.get("tag", "sessions"),
+                     "close": trace.params.get("close", "auto"),
+                     "session_radix_cache_ttl": ttl},
         "ideal": {
             "hit_tokens": ideal["hit_tokens"],
             "hit_rate": _ratio(ideal["hit_tokens"], summary["prompt_tokens"]),
@@ -484,48 +585,64 @@ def _sweep(args, trace: Trace) -> dict:
             "max_num_reqs": MAX_NUM_REQS,
             "eviction_policy": "lru",
             "sizes": sizes,
+            "size_notes": size_notes,
         },
         "shapes": {},
         "issues": [],
+        "complete": False,
     }
     t0 = time.perf_counter()
     n_runs = len(args.shapes) * len(sizes) * 2
     done = 0
-    for shape in args.shapes:
-        rows = []
-        for pool in sizes:
-            row = {"pool_tokens": pool, "pool_share": _ratio(pool, footprint)}
-            for on in (False, True):
-                key = "on" if on else "off"
-                try:
-                    st = replay(trace, shape, pool, on, check_every=args.check_every)
-                except Exception as exc:
-                    traceback.print_exc()
-                    msg = (f"{SHAPE_TITLES[shape]} pool={pool} session={key}: "
-                           f"replay failed: {type(exc).__name__}: {exc}")
-                    results["issues"].append(msg)
-                    row[key] = None
+    try:
+        for shape in args.shapes:
+            rows = results["shapes"].setdefault(shape, [])
+            for pool in sizes:
+                row = {"pool_tokens": pool, "pool_share": _ratio(pool, footprint)}
+                rows.append(row)
+                for on in (False, True):
+                    key = "on" if on else "off"
+                    st = _run_cell(args, trace, results, shape, pool, on, ttl)
                     done += 1
-                    continue
-                done += 1
-                for issue in st.issues:
-                    results["issues"].append(
-                        f"{SHAPE_TITLES[shape]} pool={pool} session={key}: {issue}")
-                row[key] = st.as_dict()
-                _log(f"[agentic] {done}/{n_runs} {SHAPE_TITLES[shape]:<15} pool={pool:>7,} "
-                     f"session={key:<3} hit={st.hit_rate:.3f} "
-                     f"{st.seconds:5.1f}s (elapsed {time.perf_counter() - t0:6.1f}s)")
-            if row.get("off") and row.get("on"):
-                off, on_ = row["off"]["hit_rate"], row["on"]["hit_rate"]
-                row["gain"] = (on_ - off) / off if off else None
-                if row["off"]["stream_digest"] != row["on"]["stream_digest"]:
-                    results["issues"].append(
-                        f"{SHAPE_TITLES[shape]} pool={pool}: off and on replayed "
-                        f"different request streams")
-            rows.append(row)
-        results["shapes"][shape] = rows
+                    row[key] = st.as_dict() if st is not None else None
+                    _finish_row(results, shape, row)
+                    on_cell(results)
+                    if st is not None:
+                        _log(f"[agentic] {done}/{n_runs} {SHAPE_TITLES[shape]:<15} "
+                             f"pool={pool:>7,} session={key:<3} hit={st.hit_rate:.3f} "
+                             f"{st.seconds:5.1f}s (elapsed {time.perf_counter() - t0:6.1f}s)")
+        results["complete"] = True
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+        _log(f"[agentic] interrupted after {done}/{n_runs} runs; keeping what was measured")
     results["seconds"] = time.perf_counter() - t0
     return results
+
+
+def _run_cell(args, trace, results, shape, pool, on, ttl) -> Optional[RunStats]:
+    key = "on" if on else "off"
+    where = f"{SHAPE_TITLES[shape]} pool={pool} session={key}"
+    try:
+        st = replay(trace, shape, pool, on, check_every=args.check_every,
+                    ttl=ttl if on else None)
+    except Exception as exc:
+        traceback.print_exc()
+        results["issues"].append(f"{where}: replay failed: {type(exc).__name__}: {exc}")
+        return None
+    results["issues"].extend(f"{where}: {issue}" for issue in st.issues)
+    return st
+
+
+def _finish_row(results: dict, shape: str, row: dict) -> None:
+    if not (row.get("off") and row.get("on")):
+        return
+    off, on_ = row["off"]["hit_rate"], row["on"]["hit_rate"]
+    row["gain"] = (on_ - off) / off if off else None
+    row["gain_points"] = 100.0 * (on_ - off)
+    if row["off"]["stream_digest"] != row["on"]["stream_digest"]:
+        results["issues"].append(
+            f"{SHAPE_TITLES[shape]} pool={row['pool_tokens']}: off and on replayed "
+            f"different request streams")
 
 
 # --------------------------------------------------------------------------
@@ -537,22 +654,54 @@ def _k(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else f"{n:,}"
 
 
-def format_tables(results: dict) -> str:
+COST_BENCH = "python -m sglang_session_cache_bench.eviction_cost"
+LEGEND = [
+    "pool = FULL pool in tokens (%fp: share of the footprint); hit = reused "
+    "prompt tokens / prompt tokens (device prefix match at admission);",
+    "kept = follow-up turns that matched their whole previous prompt; evicted = "
+    "FULL tokens evicted; gain = on - off in points (relative in brackets);",
+    "ms/req = wall time per request on this CPU harness: noisy, single runs; for "
+    f"the cost of sessions use the paired benchmark ({COST_BENCH})",
+]
+
+
+def _share(share: float) -> str:
+    return f"{100 * share:.1f}%" if share < 0.1 else f"{100 * share:.0f}%"
+
+
+def _gain(row: dict) -> str:
+    if row.get("gain_points") is None:
+        return ""
+    rel = f" ({100 * row['gain']:+.1f}%)" if row.get("gain") is not None else ""
+    return f"{row['gain_points']:+.1f} pt{rel}"
+
+
+def format_tables(results: dict, legend: bool = True) -> str:
     s = results["trace"]
     ideal = results["ideal"]
+    wl = results.get("workload", {})
+    ttl = wl.get("session_radix_cache_ttl")
+    mode = results.get("mode")
     lines = [
         f"Agentic sessions on the real UnifiedRadixCache (CPU): {s['requests']} requests "
         f"= {s['session_requests']} session turns in {s['sessions']} sessions "
-        f"({s['closes']} closed) + {s['oneshot_requests']} one-shot; "
-        f"{s['prompt_tokens']:,} prompt tokens",
+        f"({s.get('sessions_closed', s['closes'])} closed) + {s['oneshot_requests']} "
+        f"one-shot; {s['prompt_tokens']:,} prompt tokens",
         f"trace: {s['source']}; footprint {ideal['footprint_tokens']:,} tokens; "
-        f"infinite-cache hit rate (FULL, page 1) {ideal['hit_rate']:.3f}",
-        "hit = reused prompt tokens / prompt tokens (device prefix match at "
-        "admission); kept = follow-up turns that matched their whole previous prompt;",
-        "evicted = FULL tokens evicted; ms/req = wall time per request (prefill + "
-        "decode + finish) on this CPU harness; gain = (on - off) / off",
+        f"infinite-cache hit rate (FULL, page 1) {ideal['hit_rate']:.3f}; "
+        f"{s.get('duration_s', 0.0):,.0f} s of trace time",
+        (f"mode {mode}: " if mode else "")
+        + f"tag {wl.get('tag', 'sessions')}"
+        + (f" ({s['tagged_oneshots']} one-shots tagged with their own id)"
+           if s.get("tagged_oneshots") else "")
+        + f", close {wl.get('close', 'auto')}, session TTL "
+        + (f"{ttl:g} s of trace time (sessions on)" if ttl else "off"),
     ]
-    header = (f"{'pool':>8} {'%fp':>4} {'session':>7} {'hit':>6} {'session':>8} "
+    if legend:
+        lines += LEGEND
+    for note in results["config"].get("size_notes", []):
+        lines.append(f"note: {note}")
+    header = (f"{'pool':>8} {'%fp':>5} {'session':>7} {'hit':>6} {'session':>8} "
               f"{'one-shot':>8} {'kept':>5} {'reused':>8} {'recomputed':>10} "
               f"{'evicted':>8} {'ms/req':>6}  gain")
     for shape, rows in results["shapes"].items():
@@ -562,24 +711,29 @@ def format_tables(results: dict) -> str:
         for row in rows:
             first = True
             for key in ("off", "on"):
-                r = row.get(key)
+                if key not in row:
+                    continue  # the run was cut short
+                r = row[key]
                 pool = f"{row['pool_tokens']:,}" if first else ""
-                share = f"{100 * row['pool_share']:.0f}%" if first else ""
+                share = _share(row["pool_share"]) if first else ""
                 first = False
                 if r is None:
-                    lines.append(f"{pool:>8} {share:>4} {key:>7}  FAILED (see issues)")
+                    lines.append(f"{pool:>8} {share:>5} {key:>7}  FAILED (see issues)")
                     continue
-                gain = ""
-                if key == "on" and row.get("gain") is not None:
-                    gain = f"{100 * row['gain']:+.1f}%"
+                gain = _gain(row) if key == "on" else ""
+                expired = r.get("tracker", {}).get("expired", 0)
+                if key == "on" and ttl:
+                    gain += f"  [{expired} expired]"
                 lines.append(
-                    f"{pool:>8} {share:>4} {key:>7} {r['hit_rate']:6.3f} "
+                    f"{pool:>8} {share:>5} {key:>7} {r['hit_rate']:6.3f} "
                     f"{r['session_hit_rate']:8.3f} {r['oneshot_hit_rate']:8.3f} "
                     f"{100 * r['kept_rate']:4.0f}% {_k(r['reused_tokens']):>8} "
                     f"{_k(r['recomputed_tokens']):>10} {_k(r['evicted_tokens']):>8} "
                     f"{r['ms_per_request']:6.2f}  {gain}".rstrip()
                 )
     lines.append("")
+    if results.get("interrupted"):
+        lines.append("INTERRUPTED: the rows above are the runs that finished")
     if results["issues"]:
         lines.append(f"ISSUES ({len(results['issues'])}):")
         lines.extend(f"  - {i}" for i in results["issues"])
@@ -614,8 +768,9 @@ def write_plot(results: dict, path: str) -> None:
     axes[0][0].set_ylabel("hit rate (reused / prompt tokens)")
     axes[0][0].legend(loc="lower right", fontsize=8)
     s = results["trace"]
+    mode = f"mode {results['mode']}: " if results.get("mode") else ""
     fig.suptitle(
-        f"Agentic replay: {s['sessions']} sessions, {s['requests']} requests "
+        f"Agentic replay, {mode}{s['sessions']} sessions, {s['requests']} requests "
         f"({s['oneshot_requests']} one-shot)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -628,7 +783,18 @@ def write_plot(results: dict, path: str) -> None:
 
 
 def load_trace(args) -> Trace:
+    """The trace as recorded or generated (no tagging/closing policy yet)."""
     if args.trace:
+        fmt = args.trace_format
+        if fmt == "auto":
+            fmt = detect_format(args.trace)
+        if fmt == "mooncake":
+            return read_mooncake(args.trace,
+                                 block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+                                 trace_block_size=args.trace_block_size or DEFAULT_BLOCK_SIZE)
+        if args.block_size or args.trace_block_size:
+            raise TraceError("--block-size and --trace-block-size apply to Mooncake "
+                             "traces only")
         return read_jsonl(args.trace)
     try:
         return generate_trace(_generator_config(args))
@@ -636,12 +802,38 @@ def load_trace(args) -> Trace:
         raise TraceError(f"bad workload settings: {exc}") from None
 
 
+def workload_runs(args, trace: Trace) -> list:
+    """``(mode name or None, trace with the client policy applied, ttl)`` for
+    every run of the benchmark: one per ``--mode``, else one from
+    ``--tag``/``--close``/``--session-radix-cache-ttl``."""
+    if not args.mode:
+        return [(None, apply_policy(trace, args.tag, args.close), args.ttl)]
+    return [(name, apply_policy(trace, MODES[name].tag, MODES[name].close),
+             mode_ttl(MODES[name], args.ttl)) for name in args.mode]
+
+
+def _write_json(doc: dict, path: str) -> None:
+    # Whole file or nothing: a run cut short leaves the last complete save.
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def _plot_path(out: str, mode: Optional[str]) -> str:
+    if mode is None:
+        return os.path.join(out, PLOT_PNG)
+    stem, ext = os.path.splitext(PLOT_PNG)
+    return os.path.join(out, f"{stem}_{mode}{ext}")
+
+
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     try:
         trace = load_trace(args)
-    except TraceError as exc:
+        runs = workload_runs(args, trace)
+    except (TraceError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.save_trace:
@@ -662,21 +854,48 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     _log(f"[agentic] SGLang loaded ({time.perf_counter() - t_start:.1f}s)")
 
-    results = run_benchmark(args, trace)
-    results["total_seconds"] = time.perf_counter() - t_start
-    print(format_tables(results), flush=True)
-
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, RESULTS_JSON)
-    with open(json_path, "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=1)
+    # One mode: the results dict itself; several: one per mode under "modes".
+    several = len(runs) > 1
+    doc: dict = {"modes": {}, "complete": False} if several else {}
+
+    def save(results: dict, mode: Optional[str]) -> None:
+        if several:
+            doc["modes"][mode] = results
+        else:
+            doc.clear()
+            doc.update(results)
+        _write_json(doc, json_path)
+
+    all_results = []
+    for mode, mode_trace, ttl in runs:
+        if mode is not None:
+            _log(f"[agentic] mode {mode}: {MODES[mode].about}")
+        results = run_benchmark(args, mode_trace, ttl,
+                                on_cell=lambda r, m=mode: save(r, m))
+        results["mode"] = mode
+        results["total_seconds"] = time.perf_counter() - t_start
+        save(results, mode)
+        all_results.append(results)
+        print(format_tables(results, legend=len(all_results) == 1)
+              + ("\n" if several else ""), flush=True)
+        if results.get("interrupted"):
+            break
+    interrupted = any(r.get("interrupted") for r in all_results)
+    if several:
+        doc["complete"] = not interrupted and len(all_results) == len(runs)
+        _write_json(doc, json_path)
     print(f"\nresults: {json_path}")
     if not args.no_plot:
-        png = os.path.join(args.out, PLOT_PNG)
-        write_plot(results, png)
-        print(f"plot:    {png}")
+        for results in all_results:
+            png = _plot_path(args.out, results["mode"] if several else None)
+            write_plot(results, png)
+            print(f"plot:    {png}")
     _log(f"[agentic] done in {time.perf_counter() - t_start:.1f}s")
-    return 1 if results["issues"] else 0
+    if interrupted:
+        return 130
+    return 1 if any(r["issues"] for r in all_results) else 0
 
 
 if __name__ == "__main__":

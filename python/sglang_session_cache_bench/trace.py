@@ -41,12 +41,18 @@ Request line::
     ``output_len`` must equal the length of ``output``.
 ``close`` (optional boolean, default false)
     close the session right after this request finishes (needs a session).
+``time`` (optional number >= 0)
+    arrival in seconds of trace time. The replay sets the session cache's
+    clock to it, so ``--session-radix-cache-ttl`` expires idle sessions in
+    trace time. Lines replay in file order, so times may not go backwards; a
+    line without ``time`` arrives when the line before it did (0 at the start).
 
 Close line::
 
     {"close": "agent-1"}
+    {"close": "agent-1", "time": 812.5}
 
-closes ``agent-1`` at that point of the trace (no other fields allowed).
+closes ``agent-1`` at that point of the trace (no other fields but ``time``).
 A session that is never closed is "abandoned": its requests stop and its
 session references stay until eviction takes them.
 
@@ -110,16 +116,25 @@ class TraceRequest:
     # For reports: which turn of its session this is (1-based), 0 for one-shot.
     turn: int = 0
     line: int = 0  # JSONL line number (0 for generated traces)
+    time: float = 0.0  # arrival, seconds of trace time (drives the session TTL)
+    # One-shot traffic that a tag-everything client still tagged; reports
+    # count it as one-shot (``is_oneshot``), the cache sees a session.
+    tagged_oneshot: bool = False
 
     @property
     def output_len(self) -> int:
         return len(self.output)
+
+    @property
+    def is_oneshot(self) -> bool:
+        return self.session_id is None or self.tagged_oneshot
 
 
 @dataclass
 class TraceClose:
     session_id: str
     line: int = 0
+    time: float = 0.0
 
 
 Event = Union[TraceRequest, TraceClose]
@@ -137,21 +152,42 @@ class Trace:
 
     def summary(self) -> dict:
         reqs = self.requests
-        sess = [r for r in reqs if r.session_id is not None]
+        sess = [r for r in reqs if not r.is_oneshot]
         return {
             "source": self.source,
             "requests": len(reqs),
             "session_requests": len(sess),
             "oneshot_requests": len(reqs) - len(sess),
             "sessions": len({r.session_id for r in sess}),
+            "tagged_oneshots": sum(1 for r in reqs if r.tagged_oneshot),
             "closes": sum(1 for r in reqs if r.close)
             + sum(1 for e in self.events if isinstance(e, TraceClose)),
+            "sessions_closed": sessions_closed(self.events),
+            "duration_s": self.events[-1].time - self.events[0].time if self.events else 0.0,
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "output_tokens": sum(len(r.output) for r in reqs),
             "max_request_tokens": max(
                 (len(r.prompt) + len(r.output) for r in reqs), default=0
             ),
         }
+
+
+def sessions_closed(events) -> int:
+    """Sessions that a close ended: a close of a session with no request since
+    the previous close (or none at all) ends nothing and is not counted."""
+    open_ids: set = set()
+    n = 0
+    for ev in events:
+        if isinstance(ev, TraceRequest):
+            if ev.session_id is not None:
+                open_ids.add(ev.session_id)
+            sid = ev.session_id if ev.close else None
+        else:
+            sid = ev.session_id
+        if sid is not None and sid in open_ids:
+            open_ids.discard(sid)
+            n += 1
+    return n
 
 
 # --------------------------------------------------------------------------
@@ -173,7 +209,7 @@ def tokenize_text(text: str) -> list:
 # JSONL reader / writer
 # --------------------------------------------------------------------------
 
-_REQUEST_FIELDS = ("session_id", "tokens", "text", "output_len", "output", "close")
+_REQUEST_FIELDS = ("session_id", "tokens", "text", "output_len", "output", "close", "time")
 
 
 def _type_name(v) -> str:
@@ -229,15 +265,17 @@ def parse_event(obj, lineno: int, fresh: Iterable[int]) -> Event:
     if not isinstance(obj, dict):
         raise TraceError(f"{where}: expected a JSON object, got {_type_name(obj)}")
 
-    if "close" in obj and (isinstance(obj["close"], str) or len(obj) == 1):
-        # Close event: {"close": "<session id>"}.
-        extra = sorted(k for k in obj if k != "close")
+    t = _event_time(obj, where)
+    if "close" in obj and (isinstance(obj["close"], str) or len(obj) == 1 + ("time" in obj)):
+        # Close event: {"close": "<session id>"} (+ optional "time").
+        extra = sorted(k for k in obj if k not in ("close", "time"))
         if extra:
             raise TraceError(
                 f"{where}: a close event {{\"close\": \"<session id>\"}} takes no "
-                f"other fields, got {extra}"
+                f"other fields but 'time', got {extra}"
             )
-        return TraceClose(_check_session_id(obj["close"], where, "close"), line=lineno)
+        return TraceClose(_check_session_id(obj["close"], where, "close"), line=lineno,
+                          time=t)
 
     unknown = sorted(k for k in obj if k not in _REQUEST_FIELDS)
     if unknown:
@@ -303,7 +341,20 @@ def parse_event(obj, lineno: int, fresh: Iterable[int]) -> Event:
         )
     if close and sid is None:
         raise TraceError(f"{where}: 'close': true needs a 'session_id'")
-    return TraceRequest(prompt, output, session_id=sid, close=close, line=lineno)
+    return TraceRequest(prompt, output, session_id=sid, close=close, line=lineno, time=t)
+
+
+def _event_time(obj: dict, where: str) -> Optional[float]:
+    """Optional ``time`` (seconds of trace time); ``None`` when absent."""
+    if "time" not in obj:
+        return None
+    t = obj["time"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        raise TraceError(f"{where}: 'time' must be a number of seconds, got "
+                         f"{_type_name(t)} {t!r}")
+    if t < 0:
+        raise TraceError(f"{where}: 'time' must be >= 0, got {t}")
+    return float(t)
 
 
 def read_jsonl(path: str) -> Trace:
@@ -315,6 +366,7 @@ def read_jsonl(path: str) -> Trace:
     fresh = iter(range(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + (1 << 62)))
     events: list = []
     turns: dict = {}
+    clock = 0.0
     with fh:
         try:
             for lineno, raw in enumerate(fh, start=1):
@@ -331,6 +383,15 @@ def read_jsonl(path: str) -> Trace:
                     ev = parse_event(obj, lineno, fresh)
                 except TraceError as exc:
                     raise TraceError(f"{path}: {exc}") from None
+                # Lines without a time happen when the previous line did;
+                # times may not go backwards (the replay is in file order).
+                if ev.time is None:
+                    ev.time = clock
+                elif ev.time < clock:
+                    raise TraceError(
+                        f"{path}: line {lineno}: 'time' {ev.time:g} is before the "
+                        f"previous line's {clock:g} (lines replay in file order)")
+                clock = ev.time
                 if isinstance(ev, TraceRequest) and ev.session_id is not None:
                     turns[ev.session_id] = turns.get(ev.session_id, 0) + 1
                     ev.turn = turns[ev.session_id]
@@ -357,6 +418,7 @@ def write_jsonl(trace: Trace, path: str) -> None:
                        "output": list(ev.output)}
                 if ev.close:
                     obj["close"] = True
+            obj["time"] = round(ev.time, 6)
             fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
 
@@ -390,6 +452,16 @@ class GeneratorConfig:
     oneshot_template: int = 96
     oneshot_body: tuple = (256, 2048)  # ~1k-8k-token RAG / summarization prompts, scaled
     oneshot_output: tuple = (8, 64)
+    # One-shot traffic over shared documents (0: every body is unique). Each
+    # one-shot then reads one of ``shared_docs`` documents (popularity ~ 1/rank)
+    # and asks a unique question about it, so one-shots share prefixes.
+    shared_docs: int = 0
+    doc_tokens: tuple = (512, 2048)
+    doc_question: tuple = (16, 128)
+    # Trace seconds per unit of the simulated clock: per-session mean gaps
+    # between turns are 0.5-2 units, i.e. 7.5-30 s of trace time (model time
+    # plus tool time), so an idle TTL of tens of seconds to minutes matters.
+    time_scale: float = 15.0
     vocab: int = 128_000
     seed: int = 0
 
@@ -401,8 +473,12 @@ class GeneratorConfig:
             if not isinstance(v, int) or v < (0 if name in ("system_prompt",
                                                               "oneshot_template") else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.shared_docs, int) or self.shared_docs < 0:
+            raise ValueError(f"shared_docs must be an integer >= 0, got {self.shared_docs!r}")
+        if not (math.isfinite(self.time_scale) and self.time_scale > 0):
+            raise ValueError(f"time_scale must be > 0, got {self.time_scale!r}")
         for name in ("task", "model_output", "tool_output", "user_message",
-                     "oneshot_body", "oneshot_output"):
+                     "oneshot_body", "oneshot_output", "doc_tokens", "doc_question"):
             lo, hi = getattr(self, name)
             if not (0 <= lo <= hi):
                 raise ValueError(f"{name} must be a range 0 <= lo <= hi, got {(lo, hi)}")
@@ -486,7 +562,7 @@ def generate_trace(cfg: GeneratorConfig) -> Trace:
         close = last and not plan["abandoned"]
         session_events.append(
             TraceRequest(list(st["context"]), output, session_id=plan["sid"],
-                         close=close, turn=st["turn"])
+                         close=close, turn=st["turn"], time=now * cfg.time_scale)
         )
         if last:
             del state[idx]
@@ -511,17 +587,24 @@ def generate_trace(cfg: GeneratorConfig) -> Trace:
     templates = [_tokens(rng, cfg.oneshot_template, vocab)
                  for _ in range(cfg.oneshot_templates)]
     slots = sorted(rng.randrange(n_session + 1) for _ in range(n_oneshot))
+    oneshot_body = _shared_doc_bodies(rng, cfg) if cfg.shared_docs else (
+        lambda: _tokens(rng, rng.randint(*cfg.oneshot_body), vocab))
     events: list = []
     j = 0
     for pos in range(n_session + 1):
-        while j < len(slots) and slots[j] == pos:
-            body = _tokens(rng, rng.randint(*cfg.oneshot_body), vocab)
+        # One-shots in a gap arrive evenly between its two session turns.
+        t_lo = session_events[pos - 1].time if pos > 0 else 0.0
+        t_hi = session_events[pos].time if pos < n_session else t_lo
+        in_gap = sum(1 for k in range(j, len(slots)) if slots[k] == pos)
+        for k in range(in_gap):
+            body = oneshot_body()
             prompt = rng.choice(templates) + body
             if not prompt:
                 prompt = _tokens(rng, 1, vocab)
             events.append(TraceRequest(
-                prompt, _tokens(rng, rng.randint(*cfg.oneshot_output), vocab)))
-            j += 1
+                prompt, _tokens(rng, rng.randint(*cfg.oneshot_output), vocab),
+                time=t_lo + (t_hi - t_lo) * (k + 1) / (in_gap + 1)))
+        j += in_gap
         if pos < n_session:
             events.append(session_events[pos])
 
@@ -529,6 +612,20 @@ def generate_trace(cfg: GeneratorConfig) -> Trace:
               for k, v in cfg.__dict__.items()}
     params["abandoned_sessions"] = sum(1 for p in plans if p["abandoned"])
     return Trace(events, source="generated", params=params)
+
+
+def _shared_doc_bodies(rng: random.Random, cfg: GeneratorConfig):
+    """One-shot bodies over shared documents: a document drawn with
+    popularity ~ 1/rank, then a unique question."""
+    docs = [_tokens(rng, rng.randint(*cfg.doc_tokens), cfg.vocab)
+            for _ in range(cfg.shared_docs)]
+    weights = [1.0 / (k + 1) for k in range(cfg.shared_docs)]
+
+    def body() -> list:
+        doc = rng.choices(docs, weights)[0]
+        return doc + _tokens(rng, rng.randint(*cfg.doc_question), cfg.vocab)
+
+    return body
 
 
 def _inserted(ev: TraceRequest) -> list:
