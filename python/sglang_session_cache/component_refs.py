@@ -7,28 +7,40 @@ Every tree component keeps its own view of which nodes a session still wants:
           page of alignment allowance.
 * Mamba — only the state on the leaf itself.
 
-State lives on the component data of each node (``ComponentData`` gains three
-fields, see ``patches/unified_cache.py``):
+The source of truth is the per-session leaf index (``leaves``: session id ->
+set of leaf nodes).  Nodes carry **counts only**, never per-session sets, so a
+node split costs the same whether one session or thousands share the node
+(``ComponentData`` gains three fields, see ``patches/unified_cache.py``):
 
-* ``session_ids``     ``{session_id: multiplicity}`` — how many of that
-                      session's leaves cover the node; ``None`` when empty.
-* ``session_ref``     number of distinct sessions covering the node.  This is
-                      what eviction reads, so one session is counted once no
-                      matter how many of its windows overlap the node.
-* ``session_leaf_of`` the sessions that hold this node as a leaf (reverse of the
-                      per-session leaf index), used when the node goes away.
+* ``session_ref``     FULL: number of distinct sessions whose path covers the
+                      node (what the eviction heap orders by).  SWA/Mamba:
+                      number of leaf references covering it (eviction only
+                      asks whether it is non-zero).
+* ``session_below``   SWA only: ``{tokens strictly below the node on the
+                      covering leaf's path: number of leaf references}``.  A
+                      split derives the new upper node from it in
+                      O(window) — a leaf covers the upper part iff its
+                      distance plus the lower part's length is still inside
+                      the window.
+* ``session_leaf_of`` the sessions that hold this node as a leaf (reverse of
+                      the leaf index), used when the node goes away.
+
+Costs: a split is O(1) for FULL and Mamba and O(distinct distances) <=
+O(window) for SWA.  A close walks each covered FULL node once (the union of
+the session's paths, not leaves x depth), each SWA window once per leaf and
+each Mamba leaf once.
 
 Coverage rules are structural (they look at keys and parents, not at whether
 device memory is present), so evicting a component's data in place never
 changes a count.  Counts change only on register/release, on node splits and
-when a referenced leaf is deleted (its reference moves to the nearest reusable
-ancestor).  ``validate`` recomputes everything from the leaf index.
+when a referenced leaf loses its data (its reference moves to the nearest
+reusable ancestor).  ``validate`` recomputes everything from the leaf index.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.unified_cache_components import TreeComponent
@@ -49,6 +61,10 @@ class ComponentSessionRefs(ABC):
     ``on_ref_change(node, component_type)`` is called whenever a node's
     ``session_ref`` flips between zero and non-zero, so eviction structures can
     move the node between their referenced and unreferenced partitions.
+
+    The base class counts **leaf references** (SWA, Mamba): each leaf of each
+    session adds one to every node it covers, independently of other leaves.
+    FULL overrides the operations to count distinct sessions on the path.
     """
 
     #: Whether losing this component's device data on a session leaf (without
@@ -74,7 +90,7 @@ class ComponentSessionRefs(ABC):
         # Per-session leaf index: session_id -> set of leaf nodes.
         self.leaves: dict[str, set] = {}
 
-    # ---- the one rule each component defines ----
+    # ---- the rule each component defines ----
 
     @abstractmethod
     def covered(self, leaf: UnifiedTreeNode) -> list:
@@ -84,37 +100,35 @@ class ComponentSessionRefs(ABC):
         """Whether ``node`` can hold a reference moved up from a deleted leaf."""
         return True
 
-    # ---- counting primitives ----
+    # ---- leaf-reference counting (SWA and Mamba override the cover) ----
 
-    def _inc(self, node: UnifiedTreeNode, sid: str) -> None:
-        cd = node.component_data[self.ct]
-        ids = cd.session_ids
-        if ids is None:
-            ids = cd.session_ids = {}
-        m = ids.get(sid, 0)
-        ids[sid] = m + 1
-        if m == 0:
-            cd.session_ref += 1
-            if self.mirror_on_node:
-                node.full_session_ref = cd.session_ref
-            if cd.session_ref == 1:
-                self._on_ref_change(node, self.ct)
+    def _add_cover(self, leaf: UnifiedTreeNode) -> None:
+        for n in self.covered(leaf):
+            self._bump(n, 1)
 
-    def _dec(self, node: UnifiedTreeNode, sid: str) -> None:
+    def _remove_cover(self, leaf: UnifiedTreeNode, skip_leaf: bool = False) -> None:
+        cover = self.covered(leaf)
+        for n in cover[1:] if skip_leaf else cover:  # covered() starts at the leaf
+            self._bump(n, -1)
+
+    def _bump(self, node: UnifiedTreeNode, delta: int) -> None:
         cd = node.component_data[self.ct]
-        ids = cd.session_ids
-        m = ids[sid]
-        if m > 1:
-            ids[sid] = m - 1
-            return
-        del ids[sid]
-        if not ids:
-            cd.session_ids = None
-        cd.session_ref -= 1
+        ref = cd.session_ref + delta
+        cd.session_ref = ref
         if self.mirror_on_node:
-            node.full_session_ref = cd.session_ref
-        if cd.session_ref == 0:
+            node.full_session_ref = ref
+        if ref == 0 or (ref == 1 and delta == 1):
             self._on_ref_change(node, self.ct)
+
+    def _clear_node(self, node: UnifiedTreeNode) -> None:
+        """Drop a deleted node's counts wholesale (no partition move: it is
+        already off every list)."""
+        cd = node.component_data[self.ct]
+        cd.session_ref = 0
+        if self.mirror_on_node:
+            node.full_session_ref = 0
+
+    # ---- leaf index ----
 
     def _index_leaf(self, sid: str, leaf: UnifiedTreeNode) -> None:
         self.leaves.setdefault(sid, set()).add(leaf)
@@ -129,42 +143,41 @@ class ComponentSessionRefs(ABC):
             idx.discard(leaf)
             if not idx:
                 del self.leaves[sid]
+        self._drop_reverse(sid, leaf)
+
+    def _drop_reverse(self, sid: str, leaf: UnifiedTreeNode) -> None:
         cd = leaf.component_data[self.ct]
         if cd.session_leaf_of is not None:
             cd.session_leaf_of.discard(sid)
             if not cd.session_leaf_of:
                 cd.session_leaf_of = None
 
-    def _apply_delta(self, sid: str, added: Iterable, removed: Iterable) -> None:
-        # Increment first so a node shared by both covers never touches zero
-        # (no spurious partition moves).
-        for n in added:
-            self._inc(n, sid)
-        for n in removed:
-            self._dec(n, sid)
+    def _indexed_ancestors(self, idx, leaf: UnifiedTreeNode) -> list:
+        """Leaves in ``idx`` that are strict ancestors of ``leaf``."""
+        root = self.cache.root_node
+        out = []
+        cur = leaf.parent
+        while cur is not None and cur is not root:
+            if cur in idx:
+                out.append(cur)
+            cur = cur.parent
+        return out
 
     # ---- public operations ----
 
     def register_session_leaf(self, sid: str, leaf: UnifiedTreeNode) -> bool:
         """Reference ``leaf`` for ``sid``.  Older leaves of the same session
-        that are ancestors of ``leaf`` are subsumed, so only the difference
-        between the old and new cover changes any count."""
+        that are ancestors of ``leaf`` are subsumed (their references go)."""
         idx = self.leaves.get(sid)
         if idx is not None and leaf in idx:
             return False
-        root = self.cache.root_node
-        subsumed = []
-        if idx:
-            cur = leaf.parent
-            while cur is not None and cur is not root:
-                if cur in idx:
-                    subsumed.append(cur)
-                cur = cur.parent
-        old_cover: list = []
+        subsumed = self._indexed_ancestors(idx, leaf) if idx else ()
+        # Add before removing so nodes in both covers never touch zero (no
+        # spurious partition moves).
+        self._add_cover(leaf)
         for old in subsumed:
-            old_cover.extend(self.covered(old))
+            self._remove_cover(old)
             self._unindex_leaf(sid, old)
-        self._apply_delta(sid, self.covered(leaf), old_cover)
         self._index_leaf(sid, leaf)
         return True
 
@@ -174,14 +187,19 @@ class ComponentSessionRefs(ABC):
         if not leaves:
             return 0
         for leaf in leaves:
-            for n in self.covered(leaf):
-                self._dec(n, sid)
-            cd = leaf.component_data[self.ct]
-            if cd.session_leaf_of is not None:
-                cd.session_leaf_of.discard(sid)
-                if not cd.session_leaf_of:
-                    cd.session_leaf_of = None
+            self._remove_cover(leaf)
+            self._drop_reverse(sid, leaf)
         return len(leaves)
+
+    def drop_session_leaf(self, sid: str, leaf: UnifiedTreeNode) -> bool:
+        """Drop one leaf reference of ``sid`` (the session's other leaves keep
+        theirs).  Returns whether ``leaf`` was referenced by ``sid``."""
+        idx = self.leaves.get(sid)
+        if not idx or leaf not in idx:
+            return False
+        self._unindex_leaf(sid, leaf)
+        self._remove_cover(leaf)
+        return True
 
     def discard_deleted_session_leaf(
         self, node: UnifiedTreeNode, node_deleted: bool = True
@@ -206,42 +224,28 @@ class ComponentSessionRefs(ABC):
         else:
             target = self._nearest_reusable_ancestor(node)
         cd.session_leaf_of = None
-        moved = None  # (added, removed): the same for every session
         for sid in sids:
             idx = self.leaves[sid]
             idx.discard(node)
-            if target is None or target in idx:
-                removed = self.covered(node)
-                if node_deleted:
-                    removed = removed[1:]  # covered() starts with the leaf
-                self._apply_delta(sid, (), removed)
-            else:
-                if moved is None:
-                    moved = self._relocation_delta(node, target, node_deleted)
-                if moved[0] or moved[1]:
-                    self._apply_delta(sid, *moved)
+            fresh = target is not None and target not in idx
+            if fresh:
                 idx.add(target)
                 tcd = target.component_data[self.ct]
                 if tcd.session_leaf_of is None:
                     tcd.session_leaf_of = set()
                 tcd.session_leaf_of.add(sid)
+            self._move_cover(sid, node, target if fresh else None, node_deleted)
             if not idx:
                 del self.leaves[sid]
-        if node_deleted and cd.session_ids is not None:
-            cd.session_ids = None
-            cd.session_ref = 0
-            if self.mirror_on_node:
-                node.full_session_ref = 0
+        if node_deleted:
+            self._clear_node(node)
 
-    def _relocation_delta(self, node, target, node_deleted):
-        """(nodes gaining, nodes losing) a reference when a leaf moves from
-        ``node`` up to ``target``; a deleted ``node`` is left out (its counts
-        are dropped wholesale)."""
-        new, old = self.covered(target), self.covered(node)
-        new_set, old_set = set(new), set(old)
-        added = [n for n in new if n not in old_set]
-        removed = [n for n in old if n not in new_set and not (node_deleted and n is node)]
-        return added, removed
+    def _move_cover(self, sid, node, target, node_deleted) -> None:
+        """Counts for ``sid``'s leaf moving from ``node`` to ``target`` (None:
+        the reference is just dropped).  The index is already updated."""
+        if target is not None:
+            self._add_cover(target)
+        self._remove_cover(node, skip_leaf=node_deleted)
 
     def _nearest_reusable_ancestor(self, node: UnifiedTreeNode):
         root = self.cache.root_node
@@ -252,31 +256,32 @@ class ComponentSessionRefs(ABC):
             cur = cur.parent
         return None
 
+    @abstractmethod
     def on_split(self, new_parent: UnifiedTreeNode, child: UnifiedTreeNode) -> None:
-        """``child`` was split; ``new_parent`` holds its upper part.  Leaves
-        keep pointing at ``child`` (the lower end), so only ``new_parent``
-        needs counts: one per covering leaf, per session."""
-        ids = child.component_data[self.ct].session_ids
-        if not ids:
-            return
-        for sid in tuple(ids):
-            m = sum(
-                1 for leaf in self.leaves.get(sid, ()) if new_parent in self.covered(leaf)
-            )
-            for _ in range(m):
-                self._inc(new_parent, sid)
+        """``child`` was split; ``new_parent`` holds its upper part (leaves
+        keep pointing at ``child``, the lower end).  Give ``new_parent`` its
+        counts without looking at sessions or leaves."""
 
     # ---- checks ----
 
-    def expected_counts(self) -> dict:
-        """Recompute ``{(node_id, sid): multiplicity}`` from the leaf index."""
-        expected: dict = {}
+    def coverage(self) -> dict:
+        """``{node: {sid: number of sid's leaves covering node}}``, recomputed
+        from the leaf index (for the validator and tests; O(leaves x cover))."""
+        out: dict = {}
         for sid, leaves in self.leaves.items():
             for leaf in leaves:
                 for n in self.covered(leaf):
-                    key = (n.id, sid)
-                    expected[key] = expected.get(key, 0) + 1
-        return expected
+                    per = out.setdefault(n, {})
+                    per[sid] = per.get(sid, 0) + 1
+        return out
+
+    def _expected_ref(self, per_session: dict) -> int:
+        """The stored ``session_ref`` implied by ``{sid: multiplicity}``."""
+        return sum(per_session.values())
+
+    def _check_node_extra(self, node, name: str) -> Optional[str]:
+        """Component-specific stored state to check (SWA's distances)."""
+        return None
 
     def validate(self, nodes: list) -> None:
         name = str(self.ct)
@@ -299,41 +304,35 @@ class ComponentSessionRefs(ABC):
                         f"[{name}] node {leaf.id} is in {sid!r}'s leaf index "
                         "but lacks the reverse entry"
                     )
-        expected = self.expected_counts()
-        seen = 0
+        coverage = self.coverage()
+        for n in coverage:
+            if n.id not in in_tree:
+                raise SessionStateError(
+                    f"[{name}] node {n.id} is covered by "
+                    f"{sorted(coverage[n])} but is not in the tree"
+                )
         for n in nodes:
             cd = n.component_data[self.ct]
-            ids = cd.session_ids or {}
+            want = self._expected_ref(coverage.get(n, {}))
+            if cd.session_ref != want:
+                raise SessionStateError(
+                    f"[{name}] node {n.id}: session_ref={cd.session_ref}, leaf "
+                    f"index implies {want} ({coverage.get(n, {})})"
+                )
             if self.mirror_on_node and n.full_session_ref != cd.session_ref:
                 raise SessionStateError(
                     f"[{name}] node {n.id}: node mirror {n.full_session_ref} != "
                     f"component count {cd.session_ref}"
                 )
-            if cd.session_ref != len(ids):
-                raise SessionStateError(
-                    f"[{name}] node {n.id}: session_ref={cd.session_ref} but "
-                    f"{len(ids)} sessions recorded"
-                )
-            for sid, m in ids.items():
-                want = expected.get((n.id, sid), 0)
-                if want != m:
-                    raise SessionStateError(
-                        f"[{name}] node {n.id}: session {sid!r} multiplicity {m}, "
-                        f"leaf index implies {want}"
-                    )
-                seen += 1
+            problem = self._check_node_extra(n, name)
+            if problem:
+                raise SessionStateError(problem)
             for sid in cd.session_leaf_of or ():
                 if n not in self.leaves.get(sid, ()):
                     raise SessionStateError(
                         f"[{name}] node {n.id} claims to be a leaf of {sid!r} "
                         "but the index disagrees"
                     )
-        if seen != len(expected):
-            missing = [k for k in expected if k[0] not in in_tree]
-            raise SessionStateError(
-                f"[{name}] {len(expected) - seen} expected references are not "
-                f"stored on tree nodes (e.g. {missing[:3]})"
-            )
 
     def referenced_nodes(self) -> set:
         """Nodes some session leaf covers for this component."""
@@ -355,7 +354,14 @@ class ComponentSessionRefs(ABC):
 
 
 class FullSessionRefs(ComponentSessionRefs):
-    """FULL: every node from the leaf to the root is needed to reuse it."""
+    """FULL: every node from the leaf to the root is needed to reuse it.
+
+    A session covers a node iff one of its leaves lies in the node's subtree,
+    so the count is the number of distinct such sessions.  Registering and
+    dropping a leaf touch only the part of its path no other leaf of the same
+    session covers (found by walking the session's other leaves up to where
+    they meet the path); a split copies the count, since the new upper node
+    has exactly the lower node's subtree."""
 
     mirror_on_node = True
     notify_ref_change = False
@@ -369,41 +375,112 @@ class FullSessionRefs(ComponentSessionRefs):
             cur = cur.parent
         return out
 
+    def reusable(self, node):
+        cd = node.component_data[self.ct]
+        return cd.value is not None or cd.host_value is not None
+
+    def _lowest_shared(self, idx, path: list, skip=None) -> int:
+        """Index in ``path`` (a node's path up to the root, node first) of the
+        lowest node that a leaf in ``idx`` (other than ``skip``) also covers;
+        ``len(path)`` when none does.  Each node is walked at most once."""
+        best = len(path)
+        if not idx:
+            return best
+        pos = {n: i for i, n in enumerate(path)}
+        root = self.cache.root_node
+        seen: set = set()
+        for other in idx:
+            if other is skip:
+                continue
+            cur = other
+            while cur is not None and cur is not root:
+                i = pos.get(cur)
+                if i is not None:
+                    if i < best:
+                        best = i
+                    break
+                if cur in seen:
+                    break
+                seen.add(cur)
+                cur = cur.parent
+        return best
+
     def register_session_leaf(self, sid, leaf):
-        # The path rule lets a newer leaf under an older one touch only the
-        # nodes between them: walk up, stop at the nearest older leaf and hand
-        # its cover over instead of dropping and re-adding it.
         idx = self.leaves.get(sid)
         if idx is not None and leaf in idx:
             return False
         root = self.cache.root_node
-        added = []
+        path = []
         cur = leaf
-        handover = None
-        while cur is not None and cur is not root:
-            if idx and cur in idx:
-                handover = cur
-                break
-            added.append(cur)
+        while cur is not None and cur is not root and not (idx and cur in idx):
+            path.append(cur)
             cur = cur.parent
-        if handover is None:
-            self._apply_delta(sid, added, ())
-        else:
-            self._apply_delta(sid, added, ())
-            self._unindex_leaf(sid, handover)
-            # Older leaves further up were covered twice; drop those extras.
-            cur = handover.parent
+        new = len(path)  # nodes below the nearest older leaf on the path
+        if idx and (cur is root or cur is None or len(idx) > 1):
+            # Other branches of the session may already cover part of the
+            # path: complete it to the root and find where they meet it.
             while cur is not None and cur is not root:
-                if cur in idx:
-                    self._apply_delta(sid, (), self.covered(cur))
-                    self._unindex_leaf(sid, cur)
+                path.append(cur)
                 cur = cur.parent
+            new = min(new, self._lowest_shared(idx, path))
+        for n in path[:new]:
+            self._bump(n, 1)
+        if idx:
+            # Older leaves on the path are subsumed (the new leaf covers them).
+            for old in path[new:] if len(path) > new else ():
+                if old in idx:
+                    self._unindex_leaf(sid, old)
+            if cur is not None and cur is not root and cur in idx:
+                self._unindex_leaf(sid, cur)  # the nearest older leaf (fast path)
         self._index_leaf(sid, leaf)
         return True
 
-    def reusable(self, node):
-        cd = node.component_data[self.ct]
-        return cd.value is not None or cd.host_value is not None
+    def release_session(self, sid):
+        leaves = self.leaves.pop(sid, None)
+        if not leaves:
+            return 0
+        # The union of the leaves' paths, each node once.
+        root = self.cache.root_node
+        seen: set = set()
+        for leaf in leaves:
+            cur = leaf
+            while cur is not None and cur is not root and cur not in seen:
+                seen.add(cur)
+                self._bump(cur, -1)
+                cur = cur.parent
+            self._drop_reverse(sid, leaf)
+        return len(leaves)
+
+    def drop_session_leaf(self, sid, leaf):
+        idx = self.leaves.get(sid)
+        if not idx or leaf not in idx:
+            return False
+        self._unindex_leaf(sid, leaf)
+        path = self.covered(leaf)
+        for n in path[: self._lowest_shared(self.leaves.get(sid), path)]:
+            self._bump(n, -1)
+        return True
+
+    def _move_cover(self, sid, node, target, node_deleted):
+        # ``target`` (when given) is an ancestor already in the index, so the
+        # shared-path search sees it; moving to the parent changes nothing
+        # above a deleted node (the common case, O(1)).
+        if node_deleted and node.parent is not None and node.parent in self.leaves.get(sid, ()):
+            return
+        path = self.covered(node)
+        start = 1 if node_deleted else 0
+        for n in path[start: self._lowest_shared(self.leaves.get(sid), path)]:
+            self._bump(n, -1)
+
+    def on_split(self, new_parent, child):
+        # The new upper node has exactly the lower node's subtree.
+        ref = child.component_data[self.ct].session_ref
+        if ref:
+            new_parent.component_data[self.ct].session_ref = ref
+            new_parent.full_session_ref = ref
+
+    def _expected_ref(self, per_session):
+        return len(per_session)  # distinct sessions
 
     def referenced_nodes(self) -> set:
         # Path rule: a node already seen has all its ancestors seen too.
@@ -417,73 +494,110 @@ class FullSessionRefs(ComponentSessionRefs):
                     cur = cur.parent
         return seen
 
-    def _relocation_delta(self, node, target, node_deleted):
-        # The target is an ancestor, so its path is a suffix of the old one:
-        # only the nodes strictly below it lose this reference (none at all
-        # when a deleted leaf hands over to its parent — the common case).
-        if node_deleted and target is node.parent:
-            return (), ()
-        removed = []
-        cur = node.parent if node_deleted else node
-        while cur is not target:
-            removed.append(cur)
-            cur = cur.parent
-        return (), removed
-
-    def on_split(self, new_parent, child):
-        # Every leaf covering the lower part also covers the upper part.
-        ids = child.component_data[self.ct].session_ids
-        if not ids:
-            return
-        for sid, m in tuple(ids.items()):
-            for _ in range(m):
-                self._inc(new_parent, sid)
-
 
 class SWASessionRefs(ComponentSessionRefs):
     """SWA: only the tail within ``sliding_window_size + page_size`` tokens of
     the leaf end.  A node counts when the tokens strictly below it on the path
     are fewer than that bound, so a window straddling a node takes the whole
-    node (page allowance) and never more."""
+    node (page allowance) and never more.  Each node keeps how many covering
+    leaf references sit at each distance (``session_below``), which is all a
+    split needs."""
 
     def __init__(self, component, on_ref_change):
         super().__init__(component, on_ref_change)
         self.window = component.sliding_window_size + self.cache.page_size
 
-    def covered(self, leaf):
+    def _window(self, leaf):
+        """``(node, tokens strictly below it)`` for the nodes ``leaf`` covers."""
         root = self.cache.root_node
         out = []
         acc = 0
         cur = leaf
         window = self.window
         while cur is not None and cur is not root and acc < window:
-            out.append(cur)
+            out.append((cur, acc))
             acc += len(cur.key)
             cur = cur.parent
         return out
+
+    def covered(self, leaf):
+        return [n for n, _ in self._window(leaf)]
+
+    def _at(self, node, below: int, delta: int) -> None:
+        cd = node.component_data[self.ct]
+        hist = cd.session_below
+        if hist is None:
+            hist = cd.session_below = {}
+        c = hist.get(below, 0) + delta
+        if c:
+            hist[below] = c
+        else:
+            del hist[below]
+            if not hist:
+                cd.session_below = None
+        self._bump(node, delta)
+
+    def _add_cover(self, leaf):
+        for n, below in self._window(leaf):
+            self._at(n, below, 1)
+
+    def _remove_cover(self, leaf, skip_leaf=False):
+        win = self._window(leaf)
+        for n, below in win[1:] if skip_leaf else win:
+            self._at(n, below, -1)
+
+    def _clear_node(self, node):
+        node.component_data[self.ct].session_below = None
+        super()._clear_node(node)
+
+    def on_split(self, new_parent, child):
+        hist = child.component_data[self.ct].session_below
+        if not hist:
+            return
+        # A leaf at distance d below ``child`` is d + len(child) below the new
+        # upper part; it covers it while that is still inside the window.
+        extra = len(child.key)
+        window = self.window
+        up = {d + extra: c for d, c in hist.items() if d + extra < window}
+        if up:
+            cd = new_parent.component_data[self.ct]
+            cd.session_below = up
+            cd.session_ref = sum(up.values())
+            self._on_ref_change(new_parent, self.ct)
 
     def reusable(self, node):
         cd = node.component_data[0]  # structural: any node still holding FULL
         return cd.value is not None or cd.host_value is not None
 
-    def _relocation_delta(self, node, target, node_deleted):
-        if not node_deleted or target is not node.parent:
-            return super()._relocation_delta(node, target, node_deleted)
-        # Moving from a deleted leaf to its parent only widens the window:
-        # parent-side nodes within reach of the parent but not of the old leaf
-        # gain a reference; nothing above loses one.
-        root = self.cache.root_node
-        window = self.window
-        below = len(node.key)
-        added = []
-        acc = 0
-        cur = target
-        while cur is not None and cur is not root and acc < window:
-            if acc + below >= window:
-                added.append(cur)
-            acc += len(cur.key)
-            cur = cur.parent
-        return added, ()
+    def _check_node_extra(self, node, name):
+        want: dict = {}
+        for sid, leaves in self._leaves_by_node().get(node, {}).items():
+            for below in leaves:
+                want[below] = want.get(below, 0) + 1
+        have = node.component_data[self.ct].session_below or {}
+        if have != want:
+            return (f"[{name}] node {node.id}: distances {have}, leaf index "
+                    f"implies {want}")
+        return None
+
+    def _leaves_by_node(self):
+        # Recomputed once per validate() call (cached on the call's identity).
+        cache = self.__dict__.get("_validate_cache")
+        if cache is None:
+            cache = {}
+            for sid, leaves in self.leaves.items():
+                for leaf in leaves:
+                    for n, below in self._window(leaf):
+                        cache.setdefault(n, {}).setdefault(sid, []).append(below)
+            self._validate_cache = cache
+        return cache
+
+    def validate(self, nodes):
+        self._validate_cache = None
+        try:
+            super().validate(nodes)
+        finally:
+            self._validate_cache = None
 
 
 class MambaSessionRefs(ComponentSessionRefs):

@@ -49,7 +49,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="tree_component.session_fields",
         module="sglang.srt.mem_cache.unified_cache_components.tree_component",
-        targets=("ComponentData.session_ref", "ComponentData.session_ids",
+        targets=("ComponentData.session_ref", "ComponentData.session_below",
                  "ComponentData.session_leaf_of"),
         apply="sglang_session_cache.patches.unified_cache:apply_component_data",
         why="Per-node, per-component session counts, as class-level defaults "

@@ -23,7 +23,7 @@ def apply_component_data(module) -> None:
     cd = module.ComponentData
     if not hasattr(cd, "session_ref"):
         cd.session_ref = 0
-        cd.session_ids = None
+        cd.session_below = None  # SWA: distance -> leaf references
         cd.session_leaf_of = None
 
 

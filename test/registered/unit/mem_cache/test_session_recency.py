@@ -107,5 +107,5 @@ def test_registration_keeps_recency_inside_referenced_partition():
     h.match_len(list(a.origin_input_ids))
     lru = h.cache.lru_lists[SWA]
     x = lru.head.lru_next[lru._pt]
-    assert x.component_data[SWA].session_ids and "a" in x.component_data[SWA].session_ids
+    assert "a" in h.cache.session_ref_tracker.components[SWA].coverage().get(x, {})
     assert not lru.integrity_errors("device")

@@ -40,12 +40,13 @@ def tracker(h):
 
 
 def refs_by_node(h, ct):
-    """{node_id: {sid: multiplicity}} for nodes holding references."""
-    return {
-        n.id: dict(n.component_data[ct].session_ids)
-        for n in h.tree_nodes()
-        if n.component_data[ct].session_ids
-    }
+    """{node_id: {sid: number of sid's leaves covering it}}, from the leaf
+    index (nodes store counts only)."""
+    return {n.id: per for n, per in tracker(h).components[ct].coverage().items()}
+
+
+def sessions_at(h, node, ct):
+    return refs_by_node(h, ct).get(node.id, {})
 
 
 def path_to_root(h, node):
@@ -164,7 +165,8 @@ def test_shared_prefix_counts_distinct_sessions(h):
     h.cache.validate_session_state()
     for n in h.tree_nodes():
         if n.id in shared:
-            assert n.component_data[FULL].session_ids == {"b": 1}
+            assert sessions_at(h, n, FULL) == {"b": 1}
+            assert n.component_data[FULL].session_ref == 1
         if n.id in a_path - shared:
             assert n.component_data[FULL].session_ref == 0
     h.cache.release_radix_session("b")
@@ -195,7 +197,7 @@ def test_newer_turn_only_adds_the_delta(h):
     h.cache.validate_session_state()
 
 
-def test_swa_overlapping_windows_counted_once():
+def test_swa_overlapping_windows_of_one_session():
     h = SHAPES["swa"](sliding_window_size=16, num_tokens=512)
     base = SYSTEM + [1, 2, 3, 4, 5, 6, 7, 8]
     # Two branches of one session whose windows overlap on the common tail.
@@ -204,10 +206,10 @@ def test_swa_overlapping_windows_counted_once():
     assert len(tracker(h).session_leaves("s", SWA)) == 2
     swa = refs_by_node(h, SWA)
     assert all(set(v) == {"s"} for v in swa.values())
-    shared = [n for n in h.tree_nodes() if n.component_data[SWA].session_ids
-              and n.component_data[SWA].session_ids["s"] == 2]
+    shared = [n for n in h.tree_nodes() if sessions_at(h, n, SWA).get("s") == 2]
     assert shared, "the common tail is covered by both windows"
-    assert all(n.component_data[SWA].session_ref == 1 for n in shared)
+    # SWA counts leaf references (eviction only asks "any?"): two here.
+    assert all(n.component_data[SWA].session_ref == 2 for n in shared)
     h.cache.validate_session_state()
 
 
@@ -221,7 +223,8 @@ def test_split_keeps_counts_correct(h):
     h.cache.validate_session_state()
     leaf = only_leaf(h, "s")
     for n in path_to_root(h, leaf):
-        assert n.component_data[FULL].session_ids == {"s": 1}
+        assert sessions_at(h, n, FULL) == {"s": 1}
+        assert n.component_data[FULL].session_ref == 1
     # A match that ends mid-node also splits; counts still hold.
     h.match_len(SYSTEM + list(range(1, 5)))
     h.cache.validate_session_state()
@@ -356,10 +359,10 @@ def test_root_is_never_registered(h):
 def test_validator_fails_loudly_on_a_leak(h):
     h.run_request(SYSTEM + [1, 2, 3], session_id="s")
     node = only_leaf(h, "s")
-    node.component_data[FULL].session_ids["s"] += 1
-    with pytest.raises(SessionStateError, match="multiplicity"):
+    node.component_data[FULL].session_ref += 1
+    with pytest.raises(SessionStateError, match="leaf index implies"):
         h.cache.validate_session_state()
-    node.component_data[FULL].session_ids["s"] -= 1
+    node.component_data[FULL].session_ref -= 1
     h.cache.validate_session_state()
 
 
