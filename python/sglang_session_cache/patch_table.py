@@ -120,6 +120,18 @@ PATCHES: tuple[Patch, ...] = (
         "before calling the original; None and the chunk cache call it unchanged.",
     ),
     Patch(
+        name="common.admission_shortfall_eviction",
+        module="sglang.srt.mem_cache.common",
+        targets=("evict_from_tree_cache",
+                 "sglang.srt.mem_cache.allocation.evict_from_tree_cache (by-name import)",
+                 "sglang.srt.managers.schedule_batch.evict_from_tree_cache (by-name import)"),
+        apply="sglang_session_cache.patches.admission_eviction:apply_common",
+        why="With --enable-session-radix-cache, admission on the standard "
+        "allocator evicts only the shortfall (num_tokens - available), as the "
+        "SWA branch already does; 0.5.16 evicts all num_tokens. Stock without "
+        "the flag.",
+    ),
+    Patch(
         name="base_prefix_cache.swa_retain_floor",
         module="sglang.srt.mem_cache.base_prefix_cache",
         targets=("BasePrefixCache.swa_retain_floor (new)",),

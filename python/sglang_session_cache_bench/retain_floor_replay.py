@@ -158,10 +158,13 @@ def build_env(
     sliding_window: int,
     max_context_len: int,
     floor="tree",
+    enable_session: bool = True,
 ) -> ReplayEnv:
     """A real FULL + SWA + MAMBA ``UnifiedRadixCache`` with the Mamba extra
     buffer, sized so that nothing is evicted from the tree (the replay measures
-    decode-side SWA eviction only)."""
+    decode-side SWA eviction only). The retain floor is part of the session
+    feature, so it needs ``enable_session`` (the cache's
+    ``enable_session_radix_cache``); without it the cache is stock 0.5.16."""
 
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -209,6 +212,7 @@ def build_env(
                 page_size=page_size,
                 sliding_window_size=sliding_window,
                 enable_mamba_extra_buffer=True,
+                enable_session_radix_cache=enable_session,
                 tree_components=(
                     ComponentType.FULL,
                     ComponentType.SWA,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import sys
+import types
 
 PATCHED_FLAG = "__sglang_session_cache_patched__"
 
@@ -21,6 +23,30 @@ def wrap_method(cls, name: str, make_wrapper) -> None:  # cls may be a module
     functools.update_wrapper(wrapper, original)
     setattr(wrapper, PATCHED_FLAG, True)
     setattr(cls, name, wrapper)
+    if isinstance(cls, types.ModuleType):
+        rebind_imported(original, wrapper)
+
+
+def rebind_imported(original, wrapper) -> list[str]:
+    """Point every ``from X import name`` copy of ``original`` in an already
+    imported ``sglang`` module at ``wrapper``; returns those modules' names.
+
+    Patched at import time (the ``.pth`` hook), a module function is wrapped
+    before any importer runs its from-import, so this finds nothing. Patched
+    late (SGLang's plugin loader runs after the scheduler module and
+    everything it imports), the importers already hold the original."""
+    rebound = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("sglang."):
+            continue
+        namespace = getattr(mod, "__dict__", None)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                setattr(mod, attr, wrapper)
+                rebound.append(mod_name)
+    return rebound
 
 
 def add_method(cls, name: str, fn) -> None:

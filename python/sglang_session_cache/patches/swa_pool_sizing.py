@@ -167,12 +167,16 @@ def floor_sizing_plan(kvc) -> Optional[SWAFloorSizingPlan]:
     """The plan when the retain floor will be active for this server's tree
     cache, else ``None``.
 
-    Active means: a Mamba-ish (linear attention) model with a sliding window
-    and the Mamba extra buffer (which ``ServerArgs.enable_mamba_extra_buffer``
+    Active means: ``--enable-session-radix-cache`` on, a Mamba-ish (linear
+    attention) model with a sliding window and the Mamba extra buffer (which ``ServerArgs.enable_mamba_extra_buffer``
     only reports with the radix cache on), built as a ``UnifiedRadixCache``
     (0.5.16's registry does so for hybrid SWA unless
     ``SGLANG_EXPERIMENTAL_CPP_RADIX_TREE`` picks the C++ tree)."""
     server_args = kvc.server_args
+    # The floor it pays for is part of the session feature (see
+    # swa_retain_floor): without the flag, SGLang's own split, untouched.
+    if not getattr(server_args, "enable_session_radix_cache", False):
+        return None
     window = kvc.sliding_window_size
     if getattr(kvc, "mambaish_config", None) is None or not window:
         return None

@@ -155,8 +155,12 @@ def _make_unified_swa_retain_floor(mamba_type):
         ``mamba_last_track_seqlen``; the tree checkpoint is
         ``cache_protected_len`` when ``last_node`` holds a Mamba state (extra
         buffer only). ``None`` without either, for other component sets, or
-        when the cache is disabled (nothing will be inserted)."""
-        if self.disable or not (self.supports_swa() and self.supports_mamba()):
+        when the cache is disabled (nothing will be inserted), and without
+        ``--enable-session-radix-cache``: with every flag of ours off, decode
+        frees SWA slots exactly as stock 0.5.16 does."""
+        if self.disable or getattr(self, "session_ref_tracker", None) is None:
+            return None
+        if not (self.supports_swa() and self.supports_mamba()):
             return None
         return retain_floor_from_checkpoints(
             getattr(req, "mamba_last_track_seqlen", None),

@@ -76,6 +76,8 @@ def make_kvc():
             mamba_track_interval=INTERVAL,
             max_mamba_cache_size=300,  # 300 // 5 (extra buffer, overlap) = 60 requests
             swa_full_tokens_ratio=0.8,
+            # The sizing belongs to the session feature (flag off = stock).
+            enable_session_radix_cache=True,
         )
         kwargs.update(server_kwargs)
         override = get_context().override_server_args(**kwargs)
@@ -236,11 +238,14 @@ def test_plan_when_the_floor_is_on(make_kvc):
 
 @pytest.mark.parametrize(
     "case",
-    ["no_mamba", "no_window", "no_extra_buffer", "radix_disabled", "cpp_tree"],
+    ["session_flag_off", "no_mamba", "no_window", "no_extra_buffer", "radix_disabled",
+     "cpp_tree"],
 )
 def test_floor_off_is_sglangs_sizing(make_kvc, case, caplog):
     kw = dict(swa_full_tokens_ratio=0.05)  # small enough to trigger when on
-    if case == "no_mamba":
+    if case == "session_flag_off":
+        kvc = make_kvc(enable_session_radix_cache=False, **kw)
+    elif case == "no_mamba":
         kvc = make_kvc(mamba=False, **kw)
     elif case == "no_window":
         kvc = make_kvc(window=None, **kw)

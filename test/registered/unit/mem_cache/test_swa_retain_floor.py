@@ -309,8 +309,14 @@ def test_no_floor_on_other_caches():
     assert chunk.swa_retain_floor(_checkpointed_req(512)) is None
 
 
+def test_no_floor_without_the_session_flag():
+    # Flag off = stock 0.5.16: decode frees SWA slots relative to the tail.
+    cache = make_swa_mamba_cache(sliding_window_size=WINDOW, enable_session=False).cache
+    assert cache.swa_retain_floor(_checkpointed_req(100)) is None
+
+
 def test_swa_mamba_floor_is_checkpoint_minus_window():
-    cache = make_swa_mamba_cache(sliding_window_size=WINDOW).cache
+    cache = make_swa_mamba_cache(sliding_window_size=WINDOW, enable_session=True).cache
     assert cache.swa_retain_floor(_checkpointed_req(100)) == 100 - WINDOW
     assert cache.swa_retain_floor(_checkpointed_req(WINDOW)) == 0
     assert cache.swa_retain_floor(_checkpointed_req(3)) == 0  # clamped at 0
@@ -626,7 +632,7 @@ def test_no_tree_floor_without_the_extra_buffer():
     The floor stays None and decode eviction is SGLang's, slot for slot."""
     runs = []
     for _ in range(2):
-        h = make_swa_mamba_cache(sliding_window_size=WINDOW)
+        h = make_swa_mamba_cache(sliding_window_size=WINDOW, enable_session=True)
         req = h.new_req(list(range(1, 41)))
         h.prefill(req)
         assert req.last_node.component_data[ComponentType.MAMBA].value is not None
