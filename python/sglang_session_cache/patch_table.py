@@ -175,14 +175,33 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="unified_radix_cache.session_ttl_metrics",
         module="sglang.srt.mem_cache.unified_radix_cache",
-        targets=("UnifiedRadixCache.evict",
-                 "UnifiedRadixCache.session_metrics (new)",
-                 "UnifiedRadixCache.expire_idle_sessions (new)"),
+        targets=("UnifiedRadixCache.session_metrics (new)",
+                 "UnifiedRadixCache.expire_idle_sessions (new)",
+                 "UnifiedRadixCache.advance_session_clock (new)"),
         apply="sglang_session_cache.patches.unified_cache:apply_session_ttl_metrics",
-        why="Expires idle sessions (TTL) before every eviction so their KV is "
-        "unreferenced when victims are chosen; session_metrics() snapshot. The "
-        "session_refs wrappers read the TTL from get_server_args() at init, tick "
-        "the TTL on every finish and count evictions of referenced data.",
+        why="TTL expiry on the shared clock (advance_session_clock, fed in "
+        "scheduler order, identical on every rank); session_metrics() snapshot "
+        "(a read never mutates). The session_refs wrappers read the TTL from "
+        "get_server_args() at init, count requests in flight per session and "
+        "count evictions of referenced data.",
+    ),
+    Patch(
+        name="request_receiver.session_clock_tick",
+        module="sglang.srt.managers.scheduler_components.request_receiver",
+        targets=("SchedulerRequestReceiver._broadcast_reqs_across_ranks",),
+        apply="sglang_session_cache.patches.session_clock:apply_request_receiver",
+        why="With --enable-session-radix-cache the rank that reads the tokenizer "
+        "socket appends one clock value (SharedClockTick) to the polled batch "
+        "before the broadcast, so every TP/CP rank and PP stage sees the same "
+        "TTL clock in the same order.",
+    ),
+    Patch(
+        name="scheduler.session_clock_tick",
+        module="sglang.srt.managers.scheduler",
+        targets=("Scheduler.process_input_requests",),
+        apply="sglang_session_cache.patches.session_clock:apply_scheduler",
+        why="Takes the SharedClockTick out of the batch (SGLang never sees it) "
+        "and advances the cache's TTL clock before the batch's requests.",
     ),
     Patch(
         name="pool_stats_observer.session_metrics",

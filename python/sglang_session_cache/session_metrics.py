@@ -45,6 +45,7 @@ COUNTER_KEYS = (
     "registered",
     "stale_rejected",
     "late_finish_skipped",
+    "evicted_open",
 )
 
 
@@ -69,13 +70,13 @@ def _cached_referenced_tokens(cache, tracker, max_age: float) -> dict:
 
 
 def snapshot(cache, max_age: float = 0.0) -> dict:
-    """The session metrics of ``cache`` (see the module docstring).  Expired
-    sessions are released first, so ``open_sessions`` is exact.  ``max_age``
-    lets the referenced-token walk be reused for that many seconds."""
+    """The session metrics of ``cache`` (see the module docstring).  A read
+    never changes session state (expiry happens only on the shared clock, the
+    same on every rank).  ``max_age`` lets the referenced-token walk be reused
+    for that many seconds."""
     tracker = getattr(cache, "session_ref_tracker", None)
     if tracker is None:
         return {"enabled": False}
-    tracker.tick()
     counters = tracker.counters
     out: dict[str, Any] = {
         "enabled": True,

@@ -6,10 +6,15 @@ cache never inherits from it.  Sessions are soft protection: a reference only
 changes eviction order, it never pins memory.
 
 With a TTL (``--session-radix-cache-ttl``, see ``session_ttl.py``) a session
-idle for at least ``ttl`` seconds is released as if closed.  Open sessions are
-kept in ``last_active`` (an ``OrderedDict``, least recently active first);
-activity moves a session to the end and every touch of the tracker pops the
-expired ones from the front, so expiry costs O(1) when nothing expires.
+with no request in flight and no arrival or finish for ``ttl`` seconds is
+released as if closed.  Time is the shared clock of ``session_idle.py``: it
+moves only through ``advance_clock`` (a scheduler-ordered event carrying a
+value decided once for all ranks), never by reading a clock here, so every
+TP/PP rank expires the same sessions at the same step.
+
+Memory is bounded: at most ``max_open_sessions`` open sessions (the least
+recently active idle one is released to make room, as if closed), tombstones
+bounded in count and in id characters, streaming ids bounded in count.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -26,6 +30,7 @@ from sglang_session_cache.component_refs import (
     SessionStateError,
     make_component_refs,
 )
+from sglang_session_cache.session_idle import IdleSchedule
 from sglang_session_cache.session_ttl import ExpiryLog, normalize_ttl
 
 if TYPE_CHECKING:
@@ -35,23 +40,49 @@ if TYPE_CHECKING:
 logger = logging.getLogger("sglang.srt.mem_cache.unified_radix_cache")
 
 CLOSED_SESSION_TOMBSTONE_LIMIT = 8192
+#: Tombstones also stop at this many id characters in total (ids are not
+#: length-checked on the Engine API path).
+CLOSED_SESSION_TOMBSTONE_CHARS = 1 << 22
+#: Open sessions kept at most; beyond, the least recently active idle one is
+#: released (sessions abandoned without a TTL cannot grow state forever).
+MAX_OPEN_SESSIONS = 1 << 16
+#: Streaming session ids remembered at most (oldest forgotten first).
+STREAMING_ID_LIMIT = 1 << 16
 #: Attribute stamped on a ``Req`` when it arrives for an open session.
 REQ_GENERATION_ATTR = "session_ref_generation"
+#: Generation under which a ``Req`` is counted in flight (cleared on finish).
+REQ_INFLIGHT_ATTR = "session_ref_inflight"
 
 
 class SessionRefError(ValueError):
     """Bad session input (empty or non-string id).  Nothing is changed."""
 
 
+def plain_session_id(session_id: Any) -> Optional[str]:
+    """An exact ``str`` copy of a string id (a ``str`` subclass may override
+    ``__hash__``/``__eq__``/``__repr__``/``strip``), or ``None``."""
+    if isinstance(session_id, str):
+        return str.__str__(session_id)
+    return None
+
+
+def describe_id(sid: str, limit: int = 64) -> str:
+    """A log-safe rendering of a plain id (long ids shortened)."""
+    if len(sid) > limit:
+        return repr(sid[:limit]) + f"...({len(sid)} chars)"
+    return repr(sid)
+
+
 def check_session_id(session_id: Any) -> str:
-    if not isinstance(session_id, str):
+    sid = plain_session_id(session_id)
+    if sid is None:
+        # Only the type name: repr() of an arbitrary object may raise.
         raise SessionRefError(
-            f"session_id must be a non-empty string, got {type(session_id).__name__} "
-            f"{session_id!r}"
+            f"session_id must be a non-empty string, got {type(session_id).__name__}"
         )
-    if not session_id.strip():
-        raise SessionRefError(f"session_id must be a non-empty string, got {session_id!r}")
-    return session_id
+    if not str.strip(sid):
+        raise SessionRefError(f"session_id must be a non-empty string, got {describe_id(sid)}")
+    return sid
 
 
 def _is_aborted(req: Req) -> bool:
@@ -74,18 +105,23 @@ class SessionCounters:
     stale_rejected: int = 0
     late_finish_skipped: int = 0
     expired: int = 0  # released by the TTL (not counted in ``closed``)
+    evicted_open: int = 0  # released to stay within max_open_sessions
 
 
 @dataclasses.dataclass
 class UnifiedSessionRefTracker:
     cache: Any
     tombstone_limit: int = CLOSED_SESSION_TOMBSTONE_LIMIT
+    tombstone_chars: int = CLOSED_SESSION_TOMBSTONE_CHARS
+    max_open_sessions: int = MAX_OPEN_SESSIONS
+    streaming_limit: int = STREAMING_ID_LIMIT
     # open session id -> generation of its current incarnation
     generations: dict = dataclasses.field(default_factory=dict)
-    # recently closed ids (oldest first), bounded by tombstone_limit
+    # recently closed ids (oldest first), bounded by tombstone_limit/_chars
     closed: OrderedDict = dataclasses.field(default_factory=OrderedDict)
-    # ids opened as streaming sessions; those own their KV another way
-    streaming: set = dataclasses.field(default_factory=set)
+    # ids opened as streaming sessions (oldest first); those own their KV
+    # another way
+    streaming: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
     components: dict = dataclasses.field(default_factory=dict)
     relocating_components: tuple = ()
@@ -93,25 +129,30 @@ class UnifiedSessionRefTracker:
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
-    clock: Callable[[], float] = time.monotonic
-    # open session id -> time of its last activity, least recently active first
-    last_active: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
+    idle: IdleSchedule = dataclasses.field(default_factory=IdleSchedule)
+    # open session id -> None, least recently active first (room-making order)
+    recency: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     # Soft-protection breaches, per component: device evictions that removed
     # referenced data, and the device tokens (Mamba: states) they freed.
     # Incremented by the cache's _evict_component_and_detach_lru hook.
     referenced_evictions: dict = dataclasses.field(default_factory=dict)
     referenced_evicted_tokens: dict = dataclasses.field(default_factory=dict)
     expiry_log: ExpiryLog = dataclasses.field(default_factory=ExpiryLog)
+    _tombstone_chars_used: int = 0
 
     def __post_init__(self):
         self.ttl = normalize_ttl(self.ttl)
+        self.idle.set_ttl(self.ttl)
         self.reset()
 
     def reset(self) -> None:
         """Forget everything (the tree it described is gone)."""
         self.generations.clear()
-        self.last_active.clear()
+        self.idle.clear()
+        self.recency.clear()
         self.closed.clear()
+        self._tombstone_chars_used = 0
         self.streaming.clear()
         self.components = {}
         notify = self.on_ref_change or (lambda node, ct: None)
@@ -133,55 +174,99 @@ class UnifiedSessionRefTracker:
 
     # ---- lifecycle ----
 
-    def open_radix_session(self, session_id: str, streaming: bool = False) -> Optional[int]:
+    def open_radix_session(
+        self, session_id: str, streaming: bool = False, timeout: Any = None
+    ) -> Optional[int]:
         """Open (or reopen after close) a session and return its generation.
         Reopening a closed id clears its tombstone and starts a new generation,
         so requests still in flight from the old one are rejected on finish.
-        Opening an id that is already open keeps its generation."""
+        Opening an id that is already open keeps its generation.  ``timeout``
+        (``/open_session``'s) is this session's own idle TTL."""
         sid = check_session_id(session_id)
         if streaming:
-            self.streaming.add(sid)
+            self._remember_streaming(sid)
             return None
-        return self._open(sid, self._sweep())
+        own_ttl = normalize_ttl(timeout) if timeout is not None else None
+        gen = self._open(sid)
+        if own_ttl is not None:
+            act = self.idle.sessions[sid]
+            act.ttl = own_ttl
+            self.idle.touch(sid)
+        return gen
 
-    def _open(self, sid: str, now: float) -> int:
+    def _open(self, sid: str) -> int:
         gen = self.generations.get(sid)
         if gen is not None:
-            self._touch(sid, now)
+            self.idle.touch(sid)
+            self._touch(sid)
             return gen
-        self.closed.pop(sid, None)
+        self._make_room()
+        self._forget_tombstone(sid)
         gen = next(self._next_generation)
         self.generations[sid] = gen
-        self.last_active[sid] = now
+        self.idle.add(sid)
+        self.recency[sid] = None
         self.counters.opened += 1
-        logger.debug("session %s opened (generation %d)", sid, gen)
+        logger.debug("session %s opened (generation %d)", describe_id(sid), gen)
         return gen
+
+    def _make_room(self) -> None:
+        # Release the least recently active idle session (deterministic: the
+        # order comes from scheduler events only).
+        if len(self.generations) < self.max_open_sessions:
+            return
+        for victim in self.recency:
+            if self.idle.inflight(victim) == 0:
+                break
+        else:
+            return  # every open session is busy: they are bounded by the running requests
+        self._drop(victim)
+        self.counters.evicted_open += 1
+        logger.debug("session %s released to stay within %d open sessions",
+                     describe_id(victim), self.max_open_sessions)
 
     def ensure_session_generation(self, req: Req) -> Optional[int]:
         """Stamp a top-level ``session_id`` request with its session's current
-        generation, opening the session implicitly if needed.  Requests
-        without a session, streaming ones and aborted ones are left alone."""
-        sid = getattr(req, "session_id", None)
-        if sid is None or _is_streaming(req) or _is_aborted(req):
+        generation, opening the session implicitly if needed, and count it in
+        flight until its finish.  Requests without a session, streaming ones
+        and aborted ones are left alone."""
+        raw = getattr(req, "session_id", None)
+        if raw is None or _is_streaming(req) or _is_aborted(req):
             return None
-        existing = getattr(req, REQ_GENERATION_ATTR, None)
-        if existing is not None:
-            return existing
-        sid = check_session_id(sid)
+        sid = check_session_id(raw)
         if sid in self.streaming:
             return None
-        # An arrival is activity: an idle-expired session is released first,
-        # then reopened with a new generation.
-        gen = self._open(sid, self._sweep())
-        setattr(req, REQ_GENERATION_ATTR, gen)
-        return gen
+        existing = getattr(req, REQ_GENERATION_ATTR, None)
+        if existing is not None and getattr(req, REQ_INFLIGHT_ATTR, None) is not None:
+            return existing  # counted already (e.g. a retracted request requeued)
+        gen = self._open(sid) if existing is None else self.generations.get(sid)
+        if existing is None:
+            setattr(req, REQ_GENERATION_ATTR, gen)
+        if gen is not None and gen == getattr(req, REQ_GENERATION_ATTR):
+            # An arrival is activity, and the session is busy until it ends.
+            setattr(req, REQ_INFLIGHT_ATTR, gen)
+            self.idle.arrive(sid)
+            self._touch(sid)
+        return getattr(req, REQ_GENERATION_ATTR)
+
+    def request_finished(self, req: Req) -> None:
+        """The request left the scheduler (finished, aborted or retracted):
+        it no longer keeps its session busy."""
+        gen = getattr(req, REQ_INFLIGHT_ATTR, None)
+        if gen is None:
+            return
+        setattr(req, REQ_INFLIGHT_ATTR, None)
+        sid = plain_session_id(getattr(req, "session_id", None))
+        if sid is not None and self.generations.get(sid) == gen:
+            self.idle.finish(sid)
+            self._touch(sid)
 
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""
-        sid = getattr(req, "session_id", None)
+        sid = plain_session_id(getattr(req, "session_id", None))
         return (
-            isinstance(sid, str)
-            and bool(sid.strip())
+            sid is not None
+            and bool(str.strip(sid))
             and not _is_streaming(req)
             and not _is_aborted(req)
             and sid not in self.streaming
@@ -192,10 +277,9 @@ class UnifiedSessionRefTracker:
         for the request's session.  Returns whether a reference was added."""
         if not self.should_register(req):
             return False
-        sid = req.session_id
+        sid = plain_session_id(req.session_id)
         if leaf is None or leaf is self.cache.root_node or leaf.parent is None:
             return False
-        now = self._sweep()
         current = self.generations.get(sid)
         gen = getattr(req, REQ_GENERATION_ATTR, None)
         if current is None:
@@ -203,9 +287,9 @@ class UnifiedSessionRefTracker:
                 # Finished after its session was closed: register nothing.
                 self.counters.late_finish_skipped += 1
                 logger.debug("request %s finished after session %s closed; not referenced",
-                             getattr(req, "rid", "?"), sid)
+                             getattr(req, "rid", "?"), describe_id(sid))
                 return False
-            current = self._open(sid, now)
+            current = self._open(sid)
             gen = current
         if gen is None:
             gen = current
@@ -215,13 +299,14 @@ class UnifiedSessionRefTracker:
                 "Session %s: request %s belongs to generation %d but the session is "
                 "at generation %d (closed and reopened meanwhile); its KV stays cached "
                 "but is not referenced by the session.",
-                sid, getattr(req, "rid", "?"), gen, current,
+                describe_id(sid), getattr(req, "rid", "?"), gen, current,
             )
             return False
         for refs in self.components.values():
             refs.register_session_leaf(sid, leaf)
         self.counters.registered += 1
-        self._touch(sid, now)
+        self.idle.touch(sid)
+        self._touch(sid)
         return True
 
     def release_radix_session(self, session_id: str) -> int:
@@ -230,26 +315,28 @@ class UnifiedSessionRefTracker:
         was never opened is logged and remembered so late finishes register
         nothing.  Returns the number of leaf references dropped."""
         sid = check_session_id(session_id)
-        self.streaming.discard(sid)
-        self._sweep()
+        self.streaming.pop(sid, None)
         if sid not in self.generations:
             if sid in self.closed:
-                logger.debug("session %s already closed; nothing to release", sid)
+                logger.debug("session %s already closed; nothing to release", describe_id(sid))
             else:
                 logger.warning(
-                    "close_session for unknown session %r: nothing to release", sid
+                    "close_session for unknown session %s: nothing to release",
+                    describe_id(sid),
                 )
                 self._remember_closed(sid)
             return 0
         released = self._drop(sid)
         self.counters.closed += 1
-        logger.debug("session %s closed: released %d leaf references", sid, released)
+        logger.debug("session %s closed: released %d leaf references",
+                     describe_id(sid), released)
         return released
 
     def _drop(self, sid: str) -> int:
-        """Release an open session (close or expiry) and tombstone its id."""
+        """Release an open session (close, expiry, room) and tombstone its id."""
         del self.generations[sid]
-        self.last_active.pop(sid, None)
+        self.idle.remove(sid)
+        self.recency.pop(sid, None)
         released = 0
         for refs in self.components.values():
             released += refs.release_session(sid)
@@ -257,71 +344,65 @@ class UnifiedSessionRefTracker:
         return released
 
     def _remember_closed(self, sid: str) -> None:
+        if sid not in self.closed:
+            self._tombstone_chars_used += len(sid)
         self.closed[sid] = None
         self.closed.move_to_end(sid)
-        while len(self.closed) > self.tombstone_limit:
-            self.closed.popitem(last=False)
+        while self.closed and (
+            len(self.closed) > self.tombstone_limit
+            or self._tombstone_chars_used > self.tombstone_chars
+        ):
+            old, _ = self.closed.popitem(last=False)
+            self._tombstone_chars_used -= len(old)
 
-    # ---- TTL ----
+    def _forget_tombstone(self, sid: str) -> None:
+        if self.closed.pop(sid, 0) is None:
+            self._tombstone_chars_used -= len(sid)
+
+    def _remember_streaming(self, sid: str) -> None:
+        self.streaming[sid] = None
+        self.streaming.move_to_end(sid)
+        while len(self.streaming) > self.streaming_limit:
+            self.streaming.popitem(last=False)
+
+    def _touch(self, sid: str) -> None:
+        if sid in self.recency:
+            self.recency.move_to_end(sid)
+
+    # ---- TTL (shared clock) ----
 
     def set_ttl(self, ttl: Any) -> Optional[float]:
         """Set (or turn off, with ``None``/0) the idle TTL in seconds.  Open
-        sessions start their idle time now."""
+        sessions start their idle time at the current shared clock."""
         self.ttl = normalize_ttl(ttl)
-        now = self.clock()
-        for sid in self.last_active:
-            self.last_active[sid] = now
+        self.idle.set_ttl(self.ttl)
         return self.ttl
 
-    def _touch(self, sid: str, now: float) -> None:
-        la = self.last_active
-        if sid in la:
-            la[sid] = now
-            la.move_to_end(sid)
+    @property
+    def now(self) -> float:
+        """The shared clock: the last value ``advance_clock`` delivered."""
+        return self.idle.now
 
-    def _sweep(self) -> float:
-        """Read the clock once and expire what is due (nothing without a TTL)."""
-        now = self.clock()
-        if self.ttl is not None:
-            self._expire_until(now - self.ttl, now)
-        return now
-
-    def _expire_until(self, deadline: float, now: float) -> int:
-        # Oldest activity first: stop at the first session still within its TTL.
-        la = self.last_active
-        n = 0
-        while la:
-            sid = next(iter(la))
-            last = la[sid]
-            if last > deadline:
-                break
+    def advance_clock(self, t: float) -> int:
+        """Deliver a shared-clock value (a scheduler-ordered event, identical
+        on every rank) and release the sessions now due, as if closed.
+        Returns how many expired."""
+        due = self.idle.advance(t)
+        for sid in due:
             released = self._drop(sid)
             self.counters.expired += 1
-            n += 1
-            logger.debug(
-                "session %s expired after %.1fs idle: released %d leaf references",
-                sid, now - last, released,
-            )
-        if n:
-            self.expiry_log.add(n, now, self.ttl)
+            logger.debug("session %s expired: released %d leaf references",
+                         describe_id(sid), released)
+        if due:
+            self.expiry_log.add(len(due), self.idle.now, self.ttl)
         elif self.expiry_log.pending:
-            self.expiry_log.flush(now, self.ttl)
-        return n
+            self.expiry_log.flush(self.idle.now, self.ttl)
+        return len(due)
 
     def expire_idle_sessions(self, now: Optional[float] = None) -> int:
-        """Release every session idle for at least ``ttl`` seconds, as if
-        closed.  Returns how many expired (0 without a TTL)."""
-        if self.ttl is None:
-            return 0
-        if now is None:
-            now = self.clock()
-        return self._expire_until(now - self.ttl, now)
-
-    def tick(self) -> None:
-        """Cheap periodic hook (before eviction, on every finish, on metrics
-        reads): one clock read and a look at the oldest open session."""
-        if self.ttl is not None:
-            self._sweep()
+        """Release every session due at the shared clock (moved to ``now``
+        first when given).  Returns how many expired."""
+        return self.advance_clock(self.idle.now if now is None else now)
 
     # ---- tree events (called from the cache hooks) ----
 
@@ -361,20 +442,24 @@ class UnifiedSessionRefTracker:
                     raise SessionStateError(
                         f"[{refs.ct}] closed or unknown session {sid!r} still holds leaves"
                     )
-        if self.last_active.keys() != self.generations.keys():
+        open_ids = self.generations.keys()
+        if self.idle.sessions.keys() != open_ids or self.recency.keys() != open_ids:
             raise SessionStateError(
-                f"TTL activity index {sorted(self.last_active)} does not match the "
-                f"open sessions {sorted(self.generations)}"
+                f"TTL activity index {sorted(self.idle.sessions)} / recency "
+                f"{sorted(self.recency)} does not match the open sessions {sorted(open_ids)}"
             )
-        last = None
-        for t in self.last_active.values():
-            if last is not None and t < last:
-                raise SessionStateError("TTL activity index is not ordered by time")
-            last = t
+        if self.idle.heap_size() > 2 * len(open_ids) + 64:
+            raise SessionStateError("TTL deadline heap is not bounded by the open sessions")
 
 
 __all__ = [
+    "CLOSED_SESSION_TOMBSTONE_CHARS",
     "CLOSED_SESSION_TOMBSTONE_LIMIT",
+    "MAX_OPEN_SESSIONS",
+    "REQ_INFLIGHT_ATTR",
+    "STREAMING_ID_LIMIT",
+    "describe_id",
+    "plain_session_id",
     "REQ_GENERATION_ATTR",
     "SessionRefError",
     "SessionStateError",

@@ -114,6 +114,14 @@ def apply_legacy_radix_cache(module) -> None:
 # ---- scheduler -----------------------------------------------------------------
 
 
+def _session_error(e: Exception) -> str:
+    # Our own errors carry a log-safe text; anything else only its type (the
+    # str() of an exception about a hostile id may itself raise).
+    if isinstance(e, _session_error_type()):
+        return str(e)
+    return f"invalid session id ({type(e).__name__})"
+
+
 def _wrap_open_session(orig):
     def open_session(self, recv_req):
         output = orig(self, recv_req)
@@ -121,9 +129,13 @@ def _wrap_open_session(orig):
             opener = getattr(self.tree_cache, "open_radix_session", None)
             if opener is not None and recv_req.session_id is not None:
                 try:
-                    opener(recv_req.session_id, streaming=bool(recv_req.streaming))
-                except _session_error_type() as e:
-                    _sched_logger.warning("open_session rejected: %s", e)
+                    opener(
+                        recv_req.session_id,
+                        streaming=bool(recv_req.streaming),
+                        timeout=getattr(recv_req, "timeout", None),
+                    )
+                except Exception as e:  # noqa: BLE001 - never into the scheduler loop
+                    _sched_logger.warning("open_session rejected: %s", _session_error(e))
         return output
 
     return open_session
@@ -131,11 +143,18 @@ def _wrap_open_session(orig):
 
 def _wrap_close_session(orig):
     def close_session(self, recv_req):
-        try:
+        if not self.server_args.enable_session_radix_cache:
             return orig(self, recv_req)
-        except _session_error_type() as e:
+        from sglang_session_cache.session_tracker import check_session_id
+
+        try:
+            # Stock close hashes and compares the id: a hostile str subclass
+            # would raise in there, so it gets the plain-str copy.
+            recv_req.session_id = check_session_id(recv_req.session_id)
+            return orig(self, recv_req)
+        except Exception as e:  # noqa: BLE001 - never into the scheduler loop
             # Bad id: nothing was released; tell the operator, keep serving.
-            _sched_logger.warning("close_session rejected: %s", e)
+            _sched_logger.warning("close_session rejected: %s", _session_error(e))
             return None
 
     return close_session
@@ -151,8 +170,8 @@ def _wrap_add_request(orig):
             if ensure is not None:
                 try:
                     ensure(req)
-                except _session_error_type() as e:
-                    req.set_finish_with_abort(f"Invalid request: {e}")
+                except Exception as e:  # noqa: BLE001 - never into the scheduler loop
+                    req.set_finish_with_abort(f"Invalid request: {_session_error(e)}")
         return orig(self, req, is_retracted=is_retracted)
 
     return _add_request_to_queue

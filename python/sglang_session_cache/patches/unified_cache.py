@@ -127,22 +127,46 @@ def _wrap_reset_full(orig):
 def _wrap_cache_finished_req(orig):
     def cache_finished_req(self, req, is_insert=True, *, kv_len_to_handle, **kwargs):
         tracker = self.session_ref_tracker
-        if tracker is not None:
-            tracker.tick()  # TTL: every finish is a cheap expiry check
-        if tracker is None or not is_insert or not tracker.should_register(req):
+        if tracker is None:
             return orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
+        register = is_insert and guarded(tracker.should_register, req)
+        if not register:
+            out = orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
+            guarded(tracker.request_finished, req)
+            return out
         capture = []
         self._session_insert_capture = capture
         try:
-            orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
+            out = orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
         finally:
             self._session_insert_capture = None
         # The session-aware FULL component recorded where the insert ended;
         # registered only after the insert (and the whole finish) succeeded.
         if capture and capture[-1] is not None:
-            tracker.register_session_ref(req, capture[-1])
+            guarded(tracker.register_session_ref, req, capture[-1])
+        guarded(tracker.request_finished, req)
+        return out
 
     return cache_finished_req
+
+
+def guarded(fn, *args):
+    """Run one of our session hooks on the scheduler path: an exception is
+    logged (first one with its traceback) and never reaches SGLang's loop."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - nothing of ours may crash the scheduler
+        if not _hook_failures:
+            logger.exception("session radix cache hook %s failed; continuing", fn.__name__)
+        else:
+            logger.warning("session radix cache hook %s failed: %s", fn.__name__,
+                           type(e).__name__)
+        _hook_failures.append(fn.__name__)
+        del _hook_failures[16:]
+        return None
+
+
+_hook_failures: list = []
 
 
 def _wrap_split_node(orig):
@@ -223,27 +247,17 @@ def _configure_ttl_and_metrics(cache, params) -> None:
         cache.session_metrics_collector = make_collector(cache)
 
 
-def _wrap_evict(orig):
-    def evict(self, params):
-        tracker = self.session_ref_tracker
-        if tracker is not None:
-            # Expired sessions must be unreferenced before victims are chosen.
-            tracker.tick()
-        return orig(self, params)
-
-    return evict
-
-
 # ---- new public methods -----------------------------------------------------
 
 
-def open_radix_session(self, session_id: str, streaming: bool = False):
+def open_radix_session(self, session_id: str, streaming: bool = False, timeout=None):
     """Open a session (``/open_session``); returns its generation, or None
-    when session tracking is off or the session is streaming."""
+    when session tracking is off or the session is streaming.  ``timeout``:
+    this session's own idle TTL (seconds)."""
     tracker = self.session_ref_tracker
     if tracker is None:
         return None
-    return tracker.open_radix_session(session_id, streaming=streaming)
+    return tracker.open_radix_session(session_id, streaming=streaming, timeout=timeout)
 
 
 def release_radix_session(self, session_id: str) -> int:
@@ -288,11 +302,20 @@ def session_metrics(self) -> dict:
 
 
 def expire_idle_sessions(self) -> int:
-    """Release sessions idle for at least the TTL now; returns how many."""
+    """Release the sessions due at the shared clock; returns how many."""
     tracker = self.session_ref_tracker
     if tracker is None:
         return 0
     return tracker.expire_idle_sessions()
+
+
+def advance_session_clock(self, t: float) -> int:
+    """Deliver a shared-clock value (seconds, decided once for all ranks and
+    delivered in scheduler order) and expire what is due; returns how many."""
+    tracker = self.session_ref_tracker
+    if tracker is None:
+        return 0
+    return tracker.advance_clock(t)
 
 
 def apply_session_ttl_metrics(module) -> None:
@@ -300,9 +323,9 @@ def apply_session_ttl_metrics(module) -> None:
     if "session_metrics_collector" not in cls.__dict__:
         cls.session_metrics_collector = None
         cls._session_ref_tokens_cache = None
-    wrap_method(cls, "evict", _wrap_evict)
     add_method(cls, "session_metrics", session_metrics)
     add_method(cls, "expire_idle_sessions", expire_idle_sessions)
+    add_method(cls, "advance_session_clock", advance_session_clock)
 
 
 def apply_unified_cache(module) -> None:

@@ -218,16 +218,20 @@ def test_counters_survive_a_cache_reset():
 # ---- TTL in the metrics -----------------------------------------------------------------------
 
 
-def test_expired_sessions_are_counted_on_read():
+def test_metrics_reads_never_expire_and_expiries_are_counted():
     h = make_full_cache(enable_session=True)
     tracker = h.cache.session_ref_tracker
-    now = [0.0]
-    tracker.clock = lambda: now[0]
     tracker.set_ttl(5)
     h.run_request(prompt(0), session_id="a")
     assert h.cache.session_metrics()["referenced_tokens"]["full"] == 40
-    now[0] = 6.0
-    snap = h.cache.session_metrics()  # a read is a TTL tick
+    # Reads neither read a clock nor mutate: only the shared clock expires.
+    for _ in range(3):
+        snap = h.cache.session_metrics()
+        assert (snap["open_sessions"], snap["expired"]) == (1, 0)
+        assert session_metrics.log_part(h.cache).startswith("session: open=1")
+    assert tracker.open_sessions() == ["a"]
+    h.cache.advance_session_clock(6.0)
+    snap = h.cache.session_metrics()
     assert (snap["open_sessions"], snap["expired"], snap["closed"]) == (0, 1, 0)
     assert snap["referenced_tokens"]["full"] == 0
     assert snap["ttl_s"] == 5.0

@@ -1,13 +1,13 @@
 """Session TTL (``--session-radix-cache-ttl``) on the real UnifiedRadixCache:
-idle sessions are released as if closed, activity keeps them open, expiry is
-amortized, and the option travels from the CLI to the cache.  Time comes from
-an injected clock."""
+a session with no request in flight and no arrival or finish for the TTL is
+released as if closed; time is the shared clock the scheduler delivers
+(``advance_session_clock``), never a clock read on the rank."""
 
+import heapq
 import logging
 import os
 import pickle
 import sys
-from collections import OrderedDict
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +26,8 @@ from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa:
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_context  # noqa: E402
 from sglang.srt.server_args import ServerArgs, prepare_server_args  # noqa: E402
+from sglang_session_cache import session_idle  # noqa: E402
+from sglang_session_cache.session_idle import BUSY_LEAK_TIMEOUT_S  # noqa: E402
 from sglang_session_cache.session_ttl import (  # noqa: E402
     EXPIRY_LOG_INTERVAL_S,
     SessionTTLError,
@@ -37,22 +39,23 @@ TTL = 10.0
 CACHE_LOGGER = "sglang.srt.mem_cache.unified_radix_cache"
 
 
-
 class Clock:
-    def __init__(self, t: float = 1000.0):
+    """The shared clock as the scheduler delivers it (a tick per poll)."""
+
+    def __init__(self, cache, t: float = 1000.0):
+        self.cache = cache
         self.t = t
+        cache.advance_session_clock(t)
 
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
+    def advance(self, dt: float) -> int:
+        """Move on and deliver; returns how many sessions expired."""
         self.t += dt
+        return self.cache.advance_session_clock(self.t)
 
 
 def with_ttl(h, ttl=TTL):
-    clock = Clock()
+    clock = Clock(h.cache)
     tracker = h.cache.session_ref_tracker
-    tracker.clock = clock
     tracker.set_ttl(ttl)
     return tracker, clock
 
@@ -79,13 +82,11 @@ def run(h, req, n_decode=0):
 def test_ttl_is_off_by_default(h):
     tracker = h.cache.session_ref_tracker
     assert tracker.ttl is None
-    clock = Clock()
-    tracker.clock = clock
+    clock = Clock(h.cache)
     h.run_request(prompt(0), session_id="s")
-    clock.advance(10**9)
+    assert clock.advance(10**9) == 0
     assert h.cache.expire_idle_sessions() == 0
-    tracker.tick()
-    h.run_request(prompt(300))  # a finish ticks the TTL too
+    h.run_request(prompt(300))
     assert tracker.open_sessions() == ["s"]
     assert tracker.session_leaves("s")
     assert tracker.counters.expired == 0
@@ -96,6 +97,7 @@ def test_flag_off_cache_has_no_ttl():
     h = make_full_cache(enable_session=False)
     assert h.cache.session_ref_tracker is None
     assert h.cache.expire_idle_sessions() == 0
+    assert h.cache.advance_session_clock(10.0) == 0
     h.run_request(prompt(0), session_id="s")
     h.evict(num_tokens=8)
     h.check()
@@ -123,10 +125,9 @@ def test_idle_session_expires_like_close(h):
     assert tracker.session_leaves("a") and tracker.session_leaves("b")
     evictable = h.cache.full_evictable_size()
 
-    clock.advance(TTL - 1)
-    assert h.cache.expire_idle_sessions() == 0
-    clock.advance(1)  # idle for exactly the TTL
-    assert h.cache.expire_idle_sessions() == 2
+    assert clock.advance(TTL - 1) == 0
+    assert clock.advance(1) == 2  # idle for exactly the TTL
+    assert h.cache.expire_idle_sessions() == 0  # nothing left due
     for sid in ("a", "b"):
         assert sid not in tracker.open_sessions()
         assert sid in tracker.closed  # tombstoned
@@ -148,43 +149,105 @@ def test_idle_session_expires_like_close(h):
     assert tracker.counters.closed == 0
 
 
-def test_late_finish_after_expiry_registers_nothing(h):
+# ---- busy means in flight (issue 11 item 2) ------------------------------------------
+
+
+def test_long_in_flight_request_is_never_expired(h):
     tracker, clock = with_ttl(h)
     req = arrive(h, prompt(0), "s")
     h.prefill(req)
-    h.decode(req, 2)
-    clock.advance(TTL + 1)  # the request outlived the session's TTL
+    for _ in range(10):  # 10 TTLs of decode with no other activity
+        assert clock.advance(TTL) == 0
+        h.decode(req, 1)
     h.finish(req)
-    assert tracker.counters.expired == 1
-    assert tracker.counters.late_finish_skipped == 1
-    assert tracker.counters.registered == 0
-    assert "s" not in tracker.open_sessions()
-    assert not tracker.session_leaves("s")
+    assert tracker.counters.expired == 0
+    assert tracker.counters.late_finish_skipped == 0
+    assert tracker.counters.registered == 1
+    assert tracker.session_leaves("s")
 
 
-def test_new_request_reopens_with_a_new_generation(h):
+def test_idle_clock_starts_at_the_last_finish(h):
     tracker, clock = with_ttl(h)
-    first = arrive(h, prompt(0), "s")
-    run(h, first)
-    old_gen = first.session_ref_generation
-    inflight = arrive(h, prompt(0, 50), "s")  # same generation, still running
-    h.prefill(inflight)
+    a = arrive(h, prompt(0), "s")
+    b = arrive(h, prompt(0, 50), "s")  # two requests of one session in flight
+    h.prefill(a)
+    h.prefill(b)
+    clock.advance(3 * TTL)
+    h.decode(a, 1)
+    h.finish(a)  # one still in flight: not idle
+    assert clock.advance(3 * TTL) == 0
+    h.decode(b, 1)
+    h.finish(b)  # the last one ends: idle from here
+    assert tracker.idle.inflight("s") == 0
+    assert clock.advance(TTL - 0.5) == 0
+    assert clock.advance(0.5) == 1
+    assert tracker.counters.registered == 2
 
-    clock.advance(TTL + 1)
-    second = arrive(h, prompt(0, 60), "s")  # expires "s", then reopens it
+
+def test_queued_request_keeps_the_session_busy(h):
+    tracker, clock = with_ttl(h)
+    run(h, arrive(h, prompt(0), "s"))
+    queued = arrive(h, prompt(0, 50), "s")  # waits in the queue for 2 TTLs
+    assert clock.advance(2 * TTL) == 0
+    run(h, queued)
+    assert tracker.counters.registered == 2 and tracker.counters.expired == 0
+
+
+def test_aborted_or_unregistered_finish_ends_the_busy_time(h):
+    tracker, clock = with_ttl(h)
+    req = arrive(h, prompt(0), "s")
+    h.prefill(req)
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req.finished_reason = FINISH_ABORT("client went away")
+    h.finish(req)  # release_kv_cache -> cache_finished_req: nothing registered
+    assert tracker.idle.inflight("s") == 0
+    assert clock.advance(TTL) == 1
+
+
+def test_lost_finish_is_bounded_by_the_leak_timeout():
+    h = make_full_cache(enable_session=True)
+    tracker, clock = with_ttl(h)
+    arrive(h, prompt(0), "s")  # never finishes (left the scheduler unseen)
+    assert clock.advance(BUSY_LEAK_TIMEOUT_S - 1) == 0
+    assert clock.advance(1) == 1
+
+
+def test_retracted_request_is_counted_once(h):
+    tracker, clock = with_ttl(h)
+    req = arrive(h, prompt(0), "s")
+    h.cache.ensure_session_generation(req)  # requeued (retraction): no double count
+    assert tracker.idle.inflight("s") == 1
+    run(h, req)
+    assert tracker.idle.inflight("s") == 0
+    assert clock.advance(TTL) == 1
+
+
+def test_expired_session_reopens_cleanly(h):
+    tracker, clock = with_ttl(h)
+    first = run(h, arrive(h, prompt(0), "s"))
+    old_gen = first.session_ref_generation
+    assert clock.advance(TTL) == 1
+    second = arrive(h, prompt(0, 60), "s")  # reopens with a new generation
     assert second.session_ref_generation > old_gen
-    assert tracker.counters.expired == 1
     assert tracker.counters.opened == 2
     assert "s" in tracker.open_sessions() and "s" not in tracker.closed
-
-    h.finish(inflight)  # old generation: rejected, not registered
-    assert tracker.counters.stale_rejected == 1
+    assert tracker.idle.inflight("s") == 1
+    assert clock.advance(5 * TTL) == 0  # busy again
     run(h, second)
     assert tracker.counters.registered == 2
     assert tracker.session_leaves("s")
 
 
-# ---- activity -------------------------------------------------------------------------
+def test_late_finish_after_close_registers_nothing(h):
+    tracker, clock = with_ttl(h)
+    req = arrive(h, prompt(0), "s")
+    h.prefill(req)
+    h.cache.release_radix_session("s")
+    h.finish(req)
+    assert tracker.counters.late_finish_skipped == 1
+    assert tracker.counters.registered == 0
+    assert clock.advance(10 * TTL) == 0
 
 
 def test_arrivals_and_finishes_are_activity(h):
@@ -192,7 +255,7 @@ def test_arrivals_and_finishes_are_activity(h):
     run(h, arrive(h, prompt(0), "busy"))
     run(h, arrive(h, prompt(300), "idle"))
 
-    # "busy" gets a request every 0.6 TTL: an arrival, then its finish.
+    # "busy" gets a request every 0.6 TTL of idle time.
     for i in range(3):
         clock.advance(0.6 * TTL)
         req = arrive(h, prompt(0, 44 + 4 * i), "busy")
@@ -204,40 +267,60 @@ def test_arrivals_and_finishes_are_activity(h):
     assert tracker.counters.registered == 5
 
 
-def test_arrival_keeps_a_long_running_turn_alive(h):
-    tracker, clock = with_ttl(h)
-    long_turn = arrive(h, prompt(0), "s")
-    h.prefill(long_turn)
-    clock.advance(0.8 * TTL)
-    run(h, arrive(h, prompt(700), "s"))  # another request of the session
-    clock.advance(0.8 * TTL)  # 1.6 TTL after the long turn arrived
-    h.decode(long_turn, 2)
-    h.finish(long_turn)
-    assert tracker.counters.expired == 0
-    assert tracker.counters.registered == 2
-
-
 def test_explicit_open_is_activity(h):
     tracker, clock = with_ttl(h)
     h.cache.open_radix_session("s")
     clock.advance(0.9 * TTL)
     h.cache.open_radix_session("s")  # already open: refreshes, same generation
-    clock.advance(0.9 * TTL)
-    assert h.cache.expire_idle_sessions() == 0
-    clock.advance(0.2 * TTL)
-    assert h.cache.expire_idle_sessions() == 1
+    assert clock.advance(0.9 * TTL) == 0
+    assert clock.advance(0.2 * TTL) == 1
+
+
+def test_open_session_timeout_is_the_session_ttl(h):
+    """/open_session's ``timeout``: SGLang's reaper closes the controller
+    session on each rank's own clock; the references follow the same timeout
+    on the shared clock, so every rank releases them at the same step."""
+    tracker, clock = with_ttl(h, ttl=None)  # no global TTL
+    h.cache.open_radix_session("t", timeout=3.0)
+    h.cache.open_radix_session("forever")
+    run(h, arrive(h, prompt(0), "t"))
+    run(h, arrive(h, prompt(300), "forever"))
+    assert clock.advance(2.9) == 0
+    assert clock.advance(0.1) == 1
+    assert tracker.open_sessions() == ["forever"]
+    assert clock.advance(10**6) == 0
 
 
 def test_streaming_sessions_are_not_expired(h):
     tracker, clock = with_ttl(h)
     h.cache.open_radix_session("stream", streaming=True)
-    clock.advance(10 * TTL)
-    tracker.tick()
+    assert clock.advance(10 * TTL) == 0
     assert "stream" in tracker.streaming
     assert tracker.counters.expired == 0
 
 
-# ---- expiry before eviction ------------------------------------------------------------
+def test_clock_never_moves_backwards(h):
+    tracker, clock = with_ttl(h)
+    run(h, arrive(h, prompt(0), "s"))
+    assert h.cache.advance_session_clock(clock.t - 100) == 0
+    assert tracker.now == clock.t
+    assert clock.advance(TTL) == 1
+
+
+# ---- nothing but the shared clock expires ----------------------------------------------
+
+
+def test_reads_evictions_and_finishes_never_expire():
+    h = make_full_cache(enable_session=True, num_tokens=128)
+    tracker, clock = with_ttl(h)
+    h.run_request(prompt(0), session_id="agent")
+    # However long the wall time, without a delivered tick nothing expires.
+    h.cache.session_metrics()
+    h.run_request(prompt(400))
+    h.evict(num_tokens=40)
+    assert tracker.counters.expired == 0
+    assert tracker.open_sessions() == ["agent"]
+    assert h.match_len(prompt(0)) == 40  # the unreferenced request went first
 
 
 @pytest.mark.parametrize("expired", [False, True])
@@ -250,7 +333,7 @@ def test_expired_session_is_unreferenced_before_eviction(expired):
     clock.advance(1)
     h.run_request(plain)  # newer, never referenced
     clock.advance(TTL if expired else TTL - 2)
-    h.evict(num_tokens=40)  # the eviction itself runs the TTL check first
+    h.evict(num_tokens=40)
     if expired:
         # Released first, then evicted as the LRU-older unreferenced entry.
         assert tracker.counters.expired == 1
@@ -263,52 +346,34 @@ def test_expired_session_is_unreferenced_before_eviction(expired):
     h.check()
 
 
-def test_finish_of_any_request_ticks_the_ttl():
-    h = make_full_cache(enable_session=True)
-    tracker, clock = with_ttl(h)
-    h.run_request(prompt(0), session_id="s")
-    clock.advance(TTL + 1)
-    h.run_request(prompt(300))  # no session: still a cheap expiry check
-    assert tracker.counters.expired == 1
-    h.cache.validate_session_state()
+# ---- amortized expiry, bounded heap ---------------------------------------------------------
 
 
-# ---- amortized expiry --------------------------------------------------------------------
-
-
-class CountingOrderedDict(OrderedDict):
-    lookups = 0
-
-    def __getitem__(self, key):
-        CountingOrderedDict.lookups += 1
-        return super().__getitem__(key)
-
-
-def test_expiry_is_amortized():
+def test_expiry_is_amortized(monkeypatch):
     h = make_full_cache(enable_session=True)
     tracker, clock = with_ttl(h, ttl=2000)
-    tracker.last_active = CountingOrderedDict()
+    pops = []
+    real_pop = heapq.heappop
+    monkeypatch.setattr(session_idle.heapq, "heappop", lambda hp: pops.append(1) or real_pop(hp))
     n = 1000
-    for i in range(n):  # session i is last active at t0 + i
+    for i in range(n):  # session i is opened at t0 + i
         tracker.open_radix_session(f"s{i}")
         clock.advance(1)
-    CountingOrderedDict.lookups = 0
-    for _ in range(100):  # 100 ticks, nothing due: one look at the front each
-        tracker.tick()
-    assert CountingOrderedDict.lookups == 100
+    for _ in range(100):  # 100 ticks, nothing due: no heap work
+        clock.advance(0)
+    assert not pops
 
-    clock.advance(1800)  # now t0 + 2800: sessions 0..800 are due
-    CountingOrderedDict.lookups = 0
-    expired = tracker.expire_idle_sessions()
+    expired = clock.advance(1800)  # now t0 + 2800: sessions 0..800 are due
     assert expired == 801
-    assert CountingOrderedDict.lookups == expired + 1
-    assert list(tracker.last_active) == [f"s{i}" for i in range(expired, n)]
+    assert len(pops) == expired
+    assert tracker.open_sessions() == [f"s{i}" for i in range(expired, n)]
     tracker.validate_session_state()
 
-    # Activity moves a session to the back of the line.
-    first = next(iter(tracker.last_active))
-    tracker.open_radix_session(first)
-    assert next(reversed(tracker.last_active)) == first
+    # Heavy activity on few sessions keeps the heap within 2x + 64 entries.
+    for _ in range(5000):
+        tracker.open_radix_session("s999")
+    assert tracker.idle.heap_size() <= 2 * len(tracker.generations) + 64
+    tracker.validate_session_state()
 
 
 # ---- logging ----------------------------------------------------------------------
@@ -329,7 +394,6 @@ def test_expiries_are_logged_aggregated(caplog):
         for i in range(3):
             tracker.open_radix_session(f"a{i}")
         clock.advance(TTL)
-        tracker.tick()
         assert expiry_lines() == [
             "Session radix cache: expired 3 idle sessions (no activity for 10s); "
             "their references were released, the KV stays cached."
@@ -339,11 +403,9 @@ def test_expiries_are_logged_aggregated(caplog):
         for i in range(2):  # within the log interval: counted, not logged yet
             tracker.open_radix_session(f"b{i}")
         clock.advance(TTL)
-        tracker.tick()
         assert len(expiry_lines()) == 1
 
-        clock.advance(EXPIRY_LOG_INTERVAL_S)
-        tracker.tick()  # nothing new expires; the pending count is flushed
+        clock.advance(EXPIRY_LOG_INTERVAL_S)  # nothing new; the pending count is flushed
         lines = expiry_lines()
         assert len(lines) == 2 and "expired 2 idle sessions" in lines[1]
 
@@ -449,12 +511,29 @@ def test_scheduler_arrivals_refresh_and_reopen():
     sched.waiting_queue.clear()
     run(h, req)
 
-    clock.advance(TTL)
+    assert clock.advance(TTL) == 1
     late = h.new_req(prompt(0, 50), session_id="agent")
     sched._add_request_to_queue(late)
     assert late.session_ref_generation > gen  # expired, implicitly reopened
-    assert tracker.counters.expired == 1
 
     sched.close_session(CloseSessionReqInput(session_id="agent"))
     assert tracker.counters.closed == 1
+    h.cache.validate_session_state()
+
+
+def test_scheduler_open_session_timeout_reaches_the_tracker():
+    h = make_full_cache(enable_session=True)
+    tracker, clock = with_ttl(h, ttl=None)
+    sched = make_scheduler(h.cache)
+    sched.open_session(
+        OpenSessionReqInput(capacity_of_str_len=64, session_id="t", timeout=5.0)
+    )
+    run(h, arrive(h, prompt(0), "t"))
+    assert clock.advance(5.0) == 1
+    # SGLang's reaper (its own clock) closes the controller session; the
+    # references are already gone and a second release is a no-op.
+    sched.session_controller.sessions["t"].last_active_time = -1e9
+    sched.session_controller.maybe_reap(now=1e9)
+    assert "t" not in sched.session_controller
+    assert tracker.counters.expired == 1 and tracker.counters.closed == 0
     h.cache.validate_session_state()
