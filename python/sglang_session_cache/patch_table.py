@@ -217,6 +217,33 @@ PATCHES: tuple[Patch, ...] = (
         "scheduler's own stats. Only for session-tracking caches.",
     ),
     Patch(
+        name="server_args.session_dp_affinity",
+        module="sglang.srt.server_args",
+        targets=("ServerArgs.add_cli_args", "ServerArgs.from_cli_args",
+                 "ServerArgs.__init__",
+                 "ServerArgs.disable_session_dp_affinity (new)",
+                 "ServerArgs.session_dp_affinity_overload_factor (new)",
+                 "ServerArgs.session_dp_affinity_max_sessions (new)"),
+        apply="sglang_session_cache.patches.dp_controller:apply_server_args",
+        why="--disable-session-dp-affinity, --session-dp-affinity-overload-factor "
+        "and --session-dp-affinity-max-sessions (and keywords): validated, "
+        "stored on the ServerArgs instance so they reach the DP controller "
+        "process with the pickled ServerArgs.",
+    ),
+    Patch(
+        name="data_parallel_controller.session_affinity",
+        module="sglang.srt.managers.data_parallel_controller",
+        targets=("DataParallelController.init_dispatcher",
+                 "DataParallelController.dispatching (per instance)",
+                 "DataParallelController.session_router (new)"),
+        apply="sglang_session_cache.patches.dp_controller:apply_dp_controller",
+        why="With the session cache on and dp_size > 1: a SessionDPRouter sends "
+        "requests with a session to the DP rank bound to that session (first "
+        "turn: least-loaded rank; overload guard; bindings end on close, TTL, "
+        "LRU cap); routed_dp_rank and session-less requests keep the configured "
+        "method. Unchanged otherwise.",
+    ),
+    Patch(
         name="pool_configurator.swa_floor_pool_minimum",
         module="sglang.srt.model_executor.pool_configurator",
         targets=("HybridSWAPoolConfigurator.__init__",

@@ -1,0 +1,179 @@
+"""Session affinity across data-parallel ranks: the routing policy.
+
+With ``--dp-size N`` every DP rank has its own radix cache, so a session's
+next turn only reuses its KV if it lands on the rank that served the previous
+one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
+
+* the first request of a session binds it to the least-loaded active rank,
+  by the load the caller passes (the controller's own ``DPBudget``);
+* later requests go to the bound rank, unless that rank is overloaded or no
+  longer active; then the session is rebound to the least-loaded rank
+  (counted, and logged in aggregate by the caller).  Overloaded means all
+  three: its load is above ``overload_factor`` x the mean over active ranks;
+  it exceeds the least-loaded rank's by more than the request's own tokens
+  (moving a session costs a prefill of its whole prompt on the new rank, so
+  a move must at least save that much queue); and it is at least
+  ``min_load`` (a lightly used rank is not overloaded however idle the others
+  are -- without this floor one busy session would bounce between ranks);
+* a binding ends on ``close(session)``, when no request of the session was
+  routed for ``ttl`` seconds (the session cache's TTL), or when more than
+  ``max_bindings`` sessions are bound (least recently routed first).
+
+The policy is pure bookkeeping: it does not send anything and does not read a
+clock of its own (``now`` is passed in), so the benchmark drives the very same
+object as the controller.  Bindings live in one ``OrderedDict`` ordered by last
+use, so expiry pops from the front and is O(1) when nothing is due.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+DEFAULT_OVERLOAD_FACTOR = 1.5
+DEFAULT_MAX_BINDINGS = 100_000
+
+
+@dataclass
+class AffinityCounters:
+    bound: int = 0  # first turns bound to the least-loaded rank
+    followed: int = 0  # requests that went to their bound rank
+    rebound_overload: int = 0  # overload guard moved the session
+    rebound_inactive: int = 0  # bound rank no longer active
+    closed: int = 0  # bindings ended by /close_session
+    expired: int = 0  # bindings ended by the TTL
+    evicted: int = 0  # bindings dropped by the size cap (LRU)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class _Binding:
+    __slots__ = ("rank", "last")
+
+    def __init__(self, rank: int, last: float):
+        self.rank = rank
+        self.last = last
+
+
+class SessionAffinity:
+    """``session -> DP rank`` bindings with an overload guard; see module doc.
+
+    ``overload_factor`` <= 0 turns the guard off; ``ttl`` ``None`` keeps
+    bindings until closed or pushed out by the cap.
+    """
+
+    def __init__(
+        self,
+        overload_factor: float = DEFAULT_OVERLOAD_FACTOR,
+        max_bindings: int = DEFAULT_MAX_BINDINGS,
+        ttl: Optional[float] = None,
+        min_load: float = 0,
+    ):
+        if max_bindings < 1:
+            raise ValueError(f"max_bindings must be >= 1, got {max_bindings}")
+        self.overload_factor = float(overload_factor)
+        self.max_bindings = int(max_bindings)
+        self.ttl = ttl
+        self.min_load = min_load
+        self.counters = AffinityCounters()
+        self._bindings: "OrderedDict[str, _Binding]" = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._bindings)
+
+    def rank_of(self, session_id: str) -> Optional[int]:
+        b = self._bindings.get(session_id)
+        return None if b is None else b.rank
+
+    def route(
+        self,
+        session_id: str,
+        active: Sequence[int],
+        loads: Sequence[float],
+        now: float,
+        cost: float = 0,
+    ) -> int:
+        """The rank for a request of ``session_id``.
+
+        ``active``: ranks that may take requests (non-empty); ``loads[r]``:
+        rank ``r``'s load (any comparable number; the mean is taken over
+        ``active``); ``cost``: what a move would recompute (the request's
+        prompt tokens, in the units of ``loads``).  Ties go to the lowest
+        rank, so the choice is a pure function of the inputs.
+        """
+        if not active:
+            raise RuntimeError("No active DP ranks to route a session to.")
+        self.expire(now)
+        b = self._bindings.get(session_id)
+        c = self.counters
+        if b is None:
+            rank = _least_loaded(active, loads)
+            c.bound += 1
+            self._bindings[session_id] = _Binding(rank, now)
+            if len(self._bindings) > self.max_bindings:
+                self._bindings.popitem(last=False)
+                c.evicted += 1
+            return rank
+        if b.rank not in active:
+            b.rank = _least_loaded(active, loads)
+            c.rebound_inactive += 1
+        elif self._overloaded(b.rank, active, loads, cost):
+            b.rank = _least_loaded(active, loads)
+            c.rebound_overload += 1
+        else:
+            c.followed += 1
+        b.last = now
+        self._bindings.move_to_end(session_id)
+        return b.rank
+
+    def _overloaded(
+        self, rank: int, active: Sequence[int], loads: Sequence[float], cost: float
+    ) -> bool:
+        if self.overload_factor <= 0 or len(active) < 2:
+            return False
+        load = loads[rank]
+        if load < self.min_load:
+            return False
+        mean = sum(loads[r] for r in active) / len(active)
+        lightest = min(loads[r] for r in active)
+        return load > self.overload_factor * mean and load - lightest > cost
+
+    def close(self, session_id: str) -> bool:
+        """End the binding of a closed session; ``False`` if it had none."""
+        if self._bindings.pop(session_id, None) is None:
+            return False
+        self.counters.closed += 1
+        return True
+
+    def expire(self, now: float) -> int:
+        """Drop bindings idle for longer than the TTL; returns how many."""
+        if self.ttl is None:
+            return 0
+        n = 0
+        bindings = self._bindings
+        while bindings:
+            sid, b = next(iter(bindings.items()))
+            if now - b.last < self.ttl:
+                break
+            del bindings[sid]
+            n += 1
+        self.counters.expired += n
+        return n
+
+
+def _least_loaded(active: Sequence[int], loads: Sequence[float]) -> int:
+    best = active[0]
+    for r in active[1:]:
+        if loads[r] < loads[best] or (loads[r] == loads[best] and r < best):
+            best = r
+    return best
+
+
+__all__ = [
+    "AffinityCounters",
+    "DEFAULT_MAX_BINDINGS",
+    "DEFAULT_OVERLOAD_FACTOR",
+    "SessionAffinity",
+]
