@@ -743,6 +743,30 @@ def format_tables(results: dict, legend: bool = True) -> str:
     return "\n".join(lines)
 
 
+def format_mode_summary(all_results: list) -> str:
+    """Several modes side by side: per mode and shape, the smallest and
+    largest gain over the pool sizes, and the worst on-vs-off change relative
+    to the off hit rate (negative: sessions on lost hits somewhere)."""
+    shapes = list(dict.fromkeys(sh for r in all_results for sh in r["shapes"]))
+    width = 30
+    lines = ["== modes side by side: gain in points over all pool sizes "
+             "(min .. max), worst (on - off) / off ==",
+             f"{'mode':<14}" + "".join(f"{SHAPE_TITLES[sh]:>{width}}" for sh in shapes)]
+    for r in all_results:
+        cells = []
+        for sh in shapes:
+            rows = [row for row in r["shapes"].get(sh, []) if row.get("gain_points") is not None]
+            if not rows:
+                cells.append(f"{'-':>{width}}")
+                continue
+            pts = [row["gain_points"] for row in rows]
+            rel = [row["gain"] for row in rows if row.get("gain") is not None]
+            worst = f"{100 * min(rel):+.1f}%" if rel else "n/a"
+            cells.append(f"{f'{min(pts):+.1f} .. {max(pts):+.1f} pt, {worst}':>{width}}")
+        lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def write_plot(results: dict, path: str) -> None:
     import matplotlib
 
@@ -883,6 +907,8 @@ def main(argv: Optional[list] = None) -> int:
         if results.get("interrupted"):
             break
     interrupted = any(r.get("interrupted") for r in all_results)
+    if several:
+        print(format_mode_summary(all_results), flush=True)
     if several:
         doc["complete"] = not interrupted and len(all_results) == len(runs)
         _write_json(doc, json_path)

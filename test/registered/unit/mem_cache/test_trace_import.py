@@ -477,5 +477,9 @@ def test_several_modes_in_one_run(tmp_path, capsys):
     # One-shot hit rates are reported for tagged one-shots too.
     assert on["oneshot_prompt_tokens"] == closed["shapes"]["full"][0]["on"]["oneshot_prompt_tokens"]
     assert "mode closed:" in out and "mode tag-all-ttl:" in out
+    assert "modes side by side" in out
+    summary = out[out.index("modes side by side"):]
+    gain = closed["shapes"]["full"][0]["gain_points"]
+    assert f"{gain:+.1f} .. {gain:+.1f} pt" in summary
     with pytest.raises(SystemExit):
         agentic.main(["--mode", "nope"])
