@@ -88,7 +88,10 @@ class ComponentSessionRefs(ABC):
         # time; only LRU-driven components need to hear about flips.
         self._on_ref_change = on_ref_change if self.notify_ref_change else _ignore
         # Per-session leaf index: session_id -> set of leaf nodes.
-        self.leaves: dict[str, set] = {}
+        # Each leaf maps to (stamp, arrived): the tracker event numbers of its
+        # newest registration and of that request's arrival (0: unknown);
+        # "registered before a request arrived" is decided on them.
+        self.leaves: dict[str, dict] = {}
 
     # ---- the rule each component defines ----
 
@@ -131,7 +134,7 @@ class ComponentSessionRefs(ABC):
     # ---- leaf index ----
 
     def _index_leaf(self, sid: str, leaf: UnifiedTreeNode) -> None:
-        self.leaves.setdefault(sid, set()).add(leaf)
+        self.leaves.setdefault(sid, {}).setdefault(leaf, (0, 0))
         cd = leaf.component_data[self.ct]
         if cd.session_leaf_of is None:
             cd.session_leaf_of = set()
@@ -140,7 +143,7 @@ class ComponentSessionRefs(ABC):
     def _unindex_leaf(self, sid: str, leaf: UnifiedTreeNode) -> None:
         idx = self.leaves.get(sid)
         if idx is not None:
-            idx.discard(leaf)
+            idx.pop(leaf, None)
             if not idx:
                 del self.leaves[sid]
         self._drop_reverse(sid, leaf)
@@ -165,9 +168,42 @@ class ComponentSessionRefs(ABC):
 
     # ---- public operations ----
 
-    def register_session_leaf(self, sid: str, leaf: UnifiedTreeNode) -> bool:
-        """Reference ``leaf`` for ``sid``.  Older leaves of the same session
-        that are ancestors of ``leaf`` are subsumed (their references go)."""
+    def register_session_leaf(
+        self,
+        sid: str,
+        leaf: UnifiedTreeNode,
+        stamp: int = 0,
+        supersede_before: Optional[int] = None,
+    ) -> bool:
+        """Reference ``leaf`` for ``sid`` (``stamp``: this registration's
+        event number).  The reference follows the session's newest turn:
+
+        * older leaves of the session that are ancestors of ``leaf`` are
+          subsumed (their references go);
+        * with ``supersede_before`` (the registering request's arrival
+          number), every other leaf whose newest registration happened before
+          that arrival is dropped too: the request could build on it, so it is
+          an older turn or a branch the session moved away from.  Leaves
+          registered after the request arrived belong to requests that ran
+          concurrently and are kept.
+        """
+        added = self._register(sid, leaf)
+        idx = self.leaves[sid]
+        if not added and len(idx) > 1:
+            # Re-registered: an older leaf may have been registered above it
+            # meanwhile; it is subsumed like on a first registration.
+            for old in self._indexed_ancestors(idx, leaf):
+                self.drop_session_leaf(sid, old)
+        idx[leaf] = max((stamp, supersede_before or 0), idx[leaf])
+        if supersede_before is not None and len(idx) > 1:
+            stale = [n for n, t in idx.items() if t[0] < supersede_before and n is not leaf]
+            for old in stale:
+                self.drop_session_leaf(sid, old)
+        return added
+
+    def _register(self, sid: str, leaf: UnifiedTreeNode) -> bool:
+        """Index ``leaf`` for ``sid`` and subsume its ancestor leaves; False
+        when it was indexed already (nothing changed)."""
         idx = self.leaves.get(sid)
         if idx is not None and leaf in idx:
             return False
@@ -226,10 +262,12 @@ class ComponentSessionRefs(ABC):
         cd.session_leaf_of = None
         for sid in sids:
             idx = self.leaves[sid]
-            idx.discard(node)
+            turn = idx.pop(node)
             fresh = target is not None and target not in idx
+            if target is not None:
+                # A leaf reached twice keeps its newest registration.
+                idx[target] = max(turn, idx.get(target, turn))
             if fresh:
-                idx.add(target)
                 tcd = target.component_data[self.ct]
                 if tcd.session_leaf_of is None:
                     tcd.session_leaf_of = set()
@@ -304,6 +342,16 @@ class ComponentSessionRefs(ABC):
                         f"[{name}] node {leaf.id} is in {sid!r}'s leaf index "
                         "but lacks the reverse entry"
                     )
+            # Newest-turn rule: a registration drops every leaf registered
+            # before its request arrived, so no kept leaf predates the
+            # arrival of any kept leaf's request.
+            oldest = min(t[0] for t in leaves.values())
+            newest_arrival = max(t[1] for t in leaves.values())
+            if oldest < newest_arrival:
+                raise SessionStateError(
+                    f"[{name}] session {sid!r} keeps a leaf registered at {oldest}, "
+                    f"before a newer turn arrived at {newest_arrival}"
+                )
         coverage = self.coverage()
         for n in coverage:
             if n.id not in in_tree:
@@ -405,7 +453,7 @@ class FullSessionRefs(ComponentSessionRefs):
                 cur = cur.parent
         return best
 
-    def register_session_leaf(self, sid, leaf):
+    def _register(self, sid, leaf):
         idx = self.leaves.get(sid)
         if idx is not None and leaf in idx:
             return False

@@ -76,6 +76,9 @@ class IdleSchedule:
 
     def remove(self, sid: str) -> None:
         self.sessions.pop(sid, None)  # its heap entries go stale
+        # Closes shrink the bound too, not only pushes grow the heap.
+        if len(self._heap) > 2 * len(self.sessions) + 64:
+            self._rebuild()
 
     def clear(self) -> None:
         self.sessions.clear()

@@ -52,6 +52,10 @@ STREAMING_ID_LIMIT = 1 << 16
 REQ_GENERATION_ATTR = "session_ref_generation"
 #: Generation under which a ``Req`` is counted in flight (cleared on finish).
 REQ_INFLIGHT_ATTR = "session_ref_inflight"
+#: Arrival number stamped next to the generation.  Arrivals and registrations
+#: share one counter, advanced only by scheduler-ordered events, so every
+#: TP/PP rank computes the same numbers (no clock involved).
+REQ_ARRIVAL_ATTR = "session_ref_arrival"
 
 
 class SessionRefError(ValueError):
@@ -95,6 +99,20 @@ def _is_streaming(req: Req) -> bool:
     return session is not None and bool(getattr(session, "streaming", False))
 
 
+def session_id_of(req: Req) -> Any:
+    """The raw session id of a request: its top-level ``session_id`` or, when
+    that is absent, the id of the non-streaming ``SessionController`` session
+    it was created from (``/open_session`` + ``session_params={"id": ...}``).
+    Streaming sessions own their KV another way: ``None``."""
+    sid = getattr(req, "session_id", None)
+    if sid is not None:
+        return sid
+    session = getattr(req, "session", None)
+    if session is None or getattr(session, "streaming", False):
+        return None
+    return getattr(session, "session_id", None)
+
+
 @dataclasses.dataclass
 class SessionCounters:
     """Monotonic counters (exported through the cache's metrics path)."""
@@ -127,6 +145,12 @@ class UnifiedSessionRefTracker:
     relocating_components: tuple = ()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
+    # Arrivals and registrations, in scheduler order (see REQ_ARRIVAL_ATTR).
+    _next_event: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
+    # open session id -> generation it was (freshly) opened with; in-flight
+    # requests are counted under it, so an explicit re-open (new generation)
+    # still sees the old generation's requests finish.
+    epochs: dict = dataclasses.field(default_factory=dict)
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
     # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
@@ -151,6 +175,7 @@ class UnifiedSessionRefTracker:
         self.generations.clear()
         self.idle.clear()
         self.recency.clear()
+        self.epochs.clear()
         self.closed.clear()
         self._tombstone_chars_used = 0
         self.streaming.clear()
@@ -177,26 +202,30 @@ class UnifiedSessionRefTracker:
     def open_radix_session(
         self, session_id: str, streaming: bool = False, timeout: Any = None
     ) -> Optional[int]:
-        """Open (or reopen after close) a session and return its generation.
-        Reopening a closed id clears its tombstone and starts a new generation,
-        so requests still in flight from the old one are rejected on finish.
-        Opening an id that is already open keeps its generation.  ``timeout``
-        (``/open_session``'s) is this session's own idle TTL."""
+        """Open a session explicitly and return its new generation.  Like
+        upstream, every explicit open starts a new generation -- reopening a
+        closed id clears its tombstone, re-opening an open id keeps its
+        references -- so requests still in flight from the old generation
+        register nothing when they finish.  ``timeout`` (``/open_session``'s)
+        is this session's own idle TTL."""
         sid = check_session_id(session_id)
         if streaming:
             self._remember_streaming(sid)
             return None
         own_ttl = normalize_ttl(timeout) if timeout is not None else None
-        gen = self._open(sid)
+        gen = self._open(sid, new_generation=True)
         if own_ttl is not None:
             act = self.idle.sessions[sid]
             act.ttl = own_ttl
             self.idle.touch(sid)
         return gen
 
-    def _open(self, sid: str) -> int:
+    def _open(self, sid: str, new_generation: bool = False) -> int:
         gen = self.generations.get(sid)
         if gen is not None:
+            if new_generation:
+                gen = self.generations[sid] = next(self._next_generation)
+                logger.debug("session %s re-opened (generation %d)", describe_id(sid), gen)
             self.idle.touch(sid)
             self._touch(sid)
             return gen
@@ -206,6 +235,7 @@ class UnifiedSessionRefTracker:
         self.generations[sid] = gen
         self.idle.add(sid)
         self.recency[sid] = None
+        self.epochs[sid] = gen
         self.counters.opened += 1
         logger.debug("session %s opened (generation %d)", describe_id(sid), gen)
         return gen
@@ -225,12 +255,20 @@ class UnifiedSessionRefTracker:
         logger.debug("session %s released to stay within %d open sessions",
                      describe_id(victim), self.max_open_sessions)
 
-    def ensure_session_generation(self, req: Req) -> Optional[int]:
-        """Stamp a top-level ``session_id`` request with its session's current
-        generation, opening the session implicitly if needed, and count it in
-        flight until its finish.  Requests without a session, streaming ones
-        and aborted ones are left alone."""
-        raw = getattr(req, "session_id", None)
+    def ensure_session_generation(self, req_or_session_id: Any) -> Optional[int]:
+        """The current generation of a session, opening it implicitly if needed.
+
+        With a session id (upstream's signature) it just returns that.  With a
+        ``Req`` (the scheduler's arrival hook) it also stamps the request with
+        the generation and its arrival number and counts it in flight until
+        its finish; the request's session is its top-level ``session_id`` or
+        its non-streaming ``SessionController`` session.  Requests without a
+        session, streaming ones and aborted ones are left alone (``None``)."""
+        if isinstance(req_or_session_id, str):
+            sid = check_session_id(req_or_session_id)
+            return None if sid in self.streaming else self._open(sid)
+        req = req_or_session_id
+        raw = session_id_of(req)
         if raw is None or _is_streaming(req) or _is_aborted(req):
             return None
         sid = check_session_id(raw)
@@ -242,9 +280,10 @@ class UnifiedSessionRefTracker:
         gen = self._open(sid) if existing is None else self.generations.get(sid)
         if existing is None:
             setattr(req, REQ_GENERATION_ATTR, gen)
+            setattr(req, REQ_ARRIVAL_ATTR, next(self._next_event))
         if gen is not None and gen == getattr(req, REQ_GENERATION_ATTR):
             # An arrival is activity, and the session is busy until it ends.
-            setattr(req, REQ_INFLIGHT_ATTR, gen)
+            setattr(req, REQ_INFLIGHT_ATTR, self.epochs[sid])
             self.idle.arrive(sid)
             self._touch(sid)
         return getattr(req, REQ_GENERATION_ATTR)
@@ -256,14 +295,14 @@ class UnifiedSessionRefTracker:
         if gen is None:
             return
         setattr(req, REQ_INFLIGHT_ATTR, None)
-        sid = plain_session_id(getattr(req, "session_id", None))
-        if sid is not None and self.generations.get(sid) == gen:
+        sid = plain_session_id(session_id_of(req))
+        if sid is not None and self.epochs.get(sid) == gen:
             self.idle.finish(sid)
             self._touch(sid)
 
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""
-        sid = plain_session_id(getattr(req, "session_id", None))
+        sid = plain_session_id(session_id_of(req))
         return (
             sid is not None
             and bool(str.strip(sid))
@@ -277,7 +316,7 @@ class UnifiedSessionRefTracker:
         for the request's session.  Returns whether a reference was added."""
         if not self.should_register(req):
             return False
-        sid = plain_session_id(req.session_id)
+        sid = plain_session_id(session_id_of(req))
         if leaf is None or leaf is self.cache.root_node or leaf.parent is None:
             return False
         current = self.generations.get(sid)
@@ -302,8 +341,12 @@ class UnifiedSessionRefTracker:
                 describe_id(sid), getattr(req, "rid", "?"), gen, current,
             )
             return False
+        # The session's reference follows its newest turn: leaves registered
+        # before this request arrived are superseded (register_session_leaf).
+        stamp = next(self._next_event)
+        arrived = getattr(req, REQ_ARRIVAL_ATTR, None)
         for refs in self.components.values():
-            refs.register_session_leaf(sid, leaf)
+            refs.register_session_leaf(sid, leaf, stamp, arrived)
         self.counters.registered += 1
         self.idle.touch(sid)
         self._touch(sid)
@@ -337,6 +380,7 @@ class UnifiedSessionRefTracker:
         del self.generations[sid]
         self.idle.remove(sid)
         self.recency.pop(sid, None)
+        self.epochs.pop(sid, None)
         released = 0
         for refs in self.components.values():
             released += refs.release_session(sid)
@@ -460,6 +504,8 @@ __all__ = [
     "STREAMING_ID_LIMIT",
     "describe_id",
     "plain_session_id",
+    "session_id_of",
+    "REQ_ARRIVAL_ATTR",
     "REQ_GENERATION_ATTR",
     "SessionRefError",
     "SessionStateError",

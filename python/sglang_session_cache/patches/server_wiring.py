@@ -124,8 +124,17 @@ def _session_error(e: Exception) -> str:
 
 def _wrap_open_session(orig):
     def open_session(self, recv_req):
-        output = orig(self, recv_req)
+        # Decided from the controller's state, not the reply (only rank 0 gets
+        # one): an open the controller refuses (id already one of its
+        # sessions) must not start a new generation.
+        refused = False
         if self.server_args.enable_session_radix_cache:
+            try:
+                refused = recv_req.session_id in self.session_controller
+            except Exception:  # noqa: BLE001 - a hostile id; the opener rejects it
+                refused = False
+        output = orig(self, recv_req)
+        if self.server_args.enable_session_radix_cache and not refused:
             opener = getattr(self.tree_cache, "open_radix_session", None)
             if opener is not None and recv_req.session_id is not None:
                 try:
@@ -162,10 +171,11 @@ def _wrap_close_session(orig):
 
 def _wrap_add_request(orig):
     def _add_request_to_queue(self, req, is_retracted=False):
+        # Top-level session_id, or a classic /open_session session (req.session).
         if (
             getattr(req, "session_id", None) is not None
-            and self.server_args.enable_session_radix_cache
-        ):
+            or getattr(req, "session", None) is not None
+        ) and self.server_args.enable_session_radix_cache:
             ensure = getattr(self.tree_cache, "ensure_session_generation", None)
             if ensure is not None:
                 try:

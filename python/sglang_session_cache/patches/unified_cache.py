@@ -269,11 +269,19 @@ def release_radix_session(self, session_id: str) -> int:
     return tracker.release_radix_session(session_id)
 
 
-def ensure_session_generation(self, req):
+def ensure_session_generation(self, req_or_session_id):
+    """The session's current generation, opening it implicitly if needed.
+    Takes a session id (upstream's signature) or an arriving ``Req``, which is
+    also stamped with it.  ``None`` when session tracking is off."""
     tracker = self.session_ref_tracker
     if tracker is None:
         return None
-    return tracker.ensure_session_generation(req)
+    return tracker.ensure_session_generation(req_or_session_id)
+
+
+def _session_refs(self):
+    """Upstream's name for the session tracker (``None`` when tracking is off)."""
+    return self.session_ref_tracker
 
 
 def validate_session_state(self) -> None:
@@ -333,6 +341,8 @@ def apply_unified_cache(module) -> None:
     if "session_ref_tracker" not in cls.__dict__:
         cls.session_ref_tracker = None
         cls._session_insert_capture = None
+        # Read-only alias, so the two names can never disagree.
+        cls.session_refs = property(_session_refs)
     if not hasattr(module.UnifiedTreeNode, "full_session_ref"):
         # FULL's session count mirrored on the node for the eviction heap.
         module.UnifiedTreeNode.full_session_ref = 0

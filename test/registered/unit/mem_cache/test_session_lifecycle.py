@@ -1,0 +1,293 @@
+"""Session lifecycle semantics on the real UnifiedRadixCache: classic
+``/open_session`` sessions, upstream-compatible calls, and the rule that a
+session's reference follows its newest turn."""
+
+import os
+import sys
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from cache_fixtures import make_full_cache, publish_server_args  # noqa: E402
+from session_test_utils import SHAPES, arrive, make_scheduler  # noqa: E402
+
+import sglang.srt.managers.schedule_batch as schedule_batch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH  # noqa: E402
+from sglang.srt.managers.io_struct import (  # noqa: E402
+    CloseSessionReqInput,
+    OpenSessionReqInput,
+    SessionParams,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang_session_cache.session_tracker import SessionRefError  # noqa: E402
+
+FULL = ComponentType.FULL
+SYSTEM = list(range(1000, 1040))
+
+
+@pytest.fixture
+def server_args():
+    args = publish_server_args()
+    saved = args.enable_session_radix_cache
+    args.enable_session_radix_cache = True
+    yield args
+    args.enable_session_radix_cache = saved
+
+
+@pytest.fixture(params=list(SHAPES))
+def h(request):
+    harness = SHAPES[request.param]()
+    yield harness
+    harness.cache.validate_session_state()
+
+
+def tracker(h):
+    return h.cache.session_ref_tracker
+
+
+def referenced_ids(h, sid, ct=FULL):
+    """Nodes ``sid`` protects (the fixture's validator checks the stored
+    counts against the same leaf index)."""
+    coverage = tracker(h).components[ct].coverage()
+    return {n.id for n, per_session in coverage.items() if sid in per_session}
+
+
+def finish(h, req, n_decode=2):
+    h.prefill(req, finishing=n_decode == 0)
+    if n_decode:
+        h.decode(req, n_decode)
+    done(h, req)
+    return req
+
+
+def done(h, req):
+    # The scheduler sets the reason before release_kv_cache; the session
+    # controller reads it (Req.finished()) when the next turn continues.
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    h.finish(req)
+
+
+# ---- issue 11 item 1: classic sessions ----------------------------------------
+
+
+def classic_req(sched, sid, tokens, rid, parent_rid=None):
+    """What Scheduler.handle_generate_request does for session_params={"id": sid}:
+    the SessionController session builds the Req (no top-level session_id)."""
+    session = sched.session_controller.get(sid)
+    recv = TokenizedGenerateReqInput(
+        rid=rid,
+        input_text="",
+        input_ids=array("q", tokens),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=SamplingParams(max_new_tokens=64, ignore_eos=True),
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        session_params=SessionParams(id=sid, rid=parent_rid),
+    )
+    req = session.create_req(recv, None, vocab_size=1 << 20)
+    sched._add_request_to_queue(req)
+    return req
+
+
+def test_classic_session_requests_register_references(server_args):
+    h = make_full_cache(enable_session=True)
+    sched = make_scheduler(h.cache, server_args)
+    out = sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="cl"))
+    assert out.success
+
+    req = classic_req(sched, "cl", SYSTEM + [1, 2, 3], "cl-1")
+    assert req.session_id is None and req.session is not None
+    gen = tracker(h).generations["cl"]
+    assert req.session_ref_generation == gen  # stamped on arrival
+    finish(h, req)
+    assert tracker(h).counters.registered == 1
+    assert tracker(h).session_leaves("cl")
+
+    # The next turn continues from the first one through the controller.
+    req2 = classic_req(sched, "cl", [7, 8, 9], "cl-2", parent_rid="cl-1")
+    finish(h, req2)
+    assert len(tracker(h).session_leaves("cl")) == 1
+
+    sched.close_session(CloseSessionReqInput(session_id="cl"))
+    assert "cl" not in tracker(h).open_sessions()
+    assert not referenced_ids(h, "cl")
+    assert "cl" not in sched.session_controller
+    h.cache.validate_session_state()
+
+
+def test_classic_session_in_flight_at_close_registers_nothing(server_args):
+    h = make_full_cache(enable_session=True)
+    sched = make_scheduler(h.cache, server_args)
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="cl"))
+    req = classic_req(sched, "cl", SYSTEM + [4, 5], "late")
+    h.prefill(req)
+    sched.close_session(CloseSessionReqInput(session_id="cl"))
+    h.decode(req, 2)
+    h.finish(req)
+    assert not referenced_ids(h, "cl")
+    assert tracker(h).counters.late_finish_skipped == 1
+
+
+def test_streaming_classic_session_stays_excluded(server_args, monkeypatch):
+    monkeypatch.setattr(schedule_batch, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
+    h = make_full_cache(enable_session=True)
+    sched = make_scheduler(h.cache, server_args)
+    sched.open_session(
+        OpenSessionReqInput(capacity_of_str_len=64, session_id="st", streaming=True)
+    )
+    req = classic_req(sched, "st", SYSTEM + [1], "st-1")
+    assert getattr(req, "session_ref_generation", None) is None
+    assert not tracker(h).should_register(req)
+    assert "st" not in tracker(h).open_sessions()
+
+
+# ---- issue 11 item 6: upstream-compatible calls ---------------------------------
+
+
+def test_ensure_session_generation_accepts_an_id_or_a_request():
+    h = make_full_cache(enable_session=True)
+    cache = h.cache
+    gen = cache.ensure_session_generation("agent")
+    assert isinstance(gen, int) and cache.session_refs.generations["agent"] == gen
+    assert cache.ensure_session_generation("agent") == gen  # no new generation
+    req = h.new_req(SYSTEM, session_id="agent")
+    assert cache.ensure_session_generation(req) == gen
+    assert req.session_ref_generation == gen
+    with pytest.raises(SessionRefError):
+        cache.ensure_session_generation("")
+    # Flag off: inert for both forms.
+    off = make_full_cache(enable_session=False).cache
+    assert off.ensure_session_generation("agent") is None
+    assert off.ensure_session_generation(h.new_req(SYSTEM, session_id="agent")) is None
+
+
+def test_session_refs_is_the_tracker():
+    h = make_full_cache(enable_session=True)
+    assert h.cache.session_refs is h.cache.session_ref_tracker
+    assert make_full_cache(enable_session=False).cache.session_refs is None
+
+
+def test_reopening_an_open_session_starts_a_new_generation(h):
+    t = tracker(h)
+    g1 = h.cache.open_radix_session("s")
+    old = arrive(h, SYSTEM + [1, 2], "s")
+    h.prefill(old)
+    done = finish(h, arrive(h, SYSTEM + [3, 4], "s"))
+    held = t.session_leaves("s")
+    assert held and done.session_ref_generation == g1
+
+    g2 = h.cache.open_radix_session("s")
+    assert g2 != g1 and t.generations["s"] == g2
+    assert t.session_leaves("s") == held  # references survive the re-open
+    h.decode(old, 2)
+    h.finish(old)  # in flight from generation g1: stale
+    assert t.counters.stale_rejected == 1
+    assert t.session_leaves("s") == held
+    new = finish(h, arrive(h, SYSTEM + [5, 6], "s"))
+    assert new.session_ref_generation == g2
+
+
+def test_scheduler_open_of_an_existing_controller_session_changes_nothing(server_args):
+    h = make_full_cache(enable_session=True)
+    sched = make_scheduler(h.cache, server_args)
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="x"))
+    gen = tracker(h).generations["x"]
+    # SessionController refuses the duplicate; the generation must not move.
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="x"))
+    assert tracker(h).generations["x"] == gen
+    # A radix-native id (not in the controller) re-opened explicitly: new generation.
+    g = h.cache.ensure_session_generation("native")
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="native"))
+    assert tracker(h).generations["native"] != g
+
+
+# ---- issue 12 item 4: the reference follows the newest turn ---------------------
+
+
+def test_rerendered_turns_leave_only_the_newest_branch(h):
+    """Six turns that do not extend the previous one (reasoning stripped):
+    the session holds one leaf, the stale branches are unreferenced."""
+    t = tracker(h)
+    branches = []
+    for turn in range(6):
+        req = finish(h, arrive(h, SYSTEM + [2000 + 100 * turn + i for i in range(8)], "s"))
+        branches.append(req)
+        for ct in t.components:
+            assert len(t.session_leaves("s", ct)) == 1, (turn, ct)
+    # Only the last turn's path (plus the shared system prompt) is referenced.
+    last_leaf = next(iter(t.session_leaves("s")))
+    path = set()
+    node = last_leaf
+    while node is not h.cache.root_node:
+        path.add(node.id)
+        node = node.parent
+    assert referenced_ids(h, "s") == path
+
+
+def test_concurrent_branches_are_kept_until_a_later_turn(h):
+    t = tracker(h)
+    a = arrive(h, SYSTEM + [1, 1, 1, 1, 1, 1], "s")
+    b = arrive(h, SYSTEM + [2, 2, 2, 2, 2, 2], "s")
+    h.prefill(a)
+    h.prefill(b)
+    h.decode(b, 2)
+    h.finish(b)
+    h.decode(a, 2)
+    h.finish(a)  # arrived before b registered: does not displace it
+    assert len(t.session_leaves("s")) == 2
+    # A turn that arrives after both finished supersedes both.
+    finish(h, arrive(h, SYSTEM + [3, 3, 3, 3, 3, 3], "s"))
+    for ct in t.components:
+        assert len(t.session_leaves("s", ct)) == 1, ct
+
+
+def test_a_turn_supersedes_leaves_registered_before_it_arrived(h):
+    t = tracker(h)
+    finish(h, arrive(h, SYSTEM + [9] * 6, "s"))
+    first = set(t.session_leaves("s"))
+    a = arrive(h, SYSTEM + [1] * 6, "s")
+    b = arrive(h, SYSTEM + [2] * 6, "s")
+    h.prefill(a)
+    h.prefill(b)
+    h.decode(a, 1)
+    h.finish(a)  # the leaf from before a arrived is gone
+    assert not first & t.session_leaves("s")
+    h.decode(b, 1)
+    h.finish(b)  # a registered after b arrived: kept
+    assert len(t.session_leaves("s")) == 2
+
+
+def test_sessions_do_not_supersede_each_other(h):
+    t = tracker(h)
+    finish(h, arrive(h, SYSTEM + [1] * 6, "x"))
+    finish(h, arrive(h, SYSTEM + [2] * 6, "y"))
+    finish(h, arrive(h, SYSTEM + [1] * 6, "y"))  # identical prompt, other session
+    assert len(t.session_leaves("x")) == 1
+    assert len(t.session_leaves("y")) == 1
+
+
+def test_validator_catches_a_superseded_leaf_kept(h):
+    from sglang_session_cache.component_refs import SessionStateError
+
+    t = tracker(h)
+    a = arrive(h, SYSTEM + [1] * 6, "s")
+    b = arrive(h, SYSTEM + [2] * 6, "s")
+    finish(h, a)
+    finish(h, b)
+    refs = t.components[FULL]
+    (la, ta), (lb, tb) = sorted(refs.leaves["s"].items(), key=lambda kv: kv[1])
+    # Pretend a's leaf was registered before b arrived, yet survived b.
+    refs.leaves["s"][la] = (tb[1] - 1, ta[1])
+    with pytest.raises(SessionStateError, match="before a newer turn arrived"):
+        refs.validate(h.tree_nodes())
+    refs.leaves["s"][la] = ta
