@@ -32,7 +32,8 @@ ids (ids numbered by first appearance, so they are dense and below 2**40);
 a prompt is its blocks' ids cut to ``input_length`` scaled by
 ``block_size / trace_block_size``. Output lengths are scaled the same way, so
 ``--block-size 16`` replays a 512-block trace 32x smaller with the same
-sharing structure. Outputs are fresh ids (never equal to a prompt id).
+sharing structure. Outputs are fresh ids from 2**39 up (never equal to a
+block id), so ``--save-trace`` writes a JSONL trace that replays the same.
 
 Requests replay in timestamp order (ties in file order); their times drive
 the session TTL. Without ``session_id``, sessions are inferred: a request
@@ -61,6 +62,10 @@ from sglang_session_cache_bench.trace import (
 )
 
 DEFAULT_BLOCK_SIZE = 512
+# Output ids: below the JSONL limit (2**40), so a delta turn's prompt, which
+# resends an earlier output, stays a valid JSONL prompt (--save-trace), and
+# far above any block id.
+OUTPUT_TOKEN_BASE = 1 << 39
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids", "session_id", "delay")
 INFERRED_SESSION_PREFIX = "conv-"
 # An inferred next turn must share more than this many leading blocks.
@@ -189,6 +194,9 @@ class _BlockTokens:
             block = blocks.get(h)
             if block is None:
                 k = len(blocks)
+                if (k + 1) * bs > OUTPUT_TOKEN_BASE:
+                    raise TraceError("the trace has too many distinct blocks; use a "
+                                     "smaller --block-size")
                 block = blocks[h] = list(range(k * bs, (k + 1) * bs))
             out.extend(block)
         del out[length:]
@@ -246,7 +254,7 @@ def read_mooncake(path: str, block_size: int = DEFAULT_BLOCK_SIZE,
     lines = _read_lines(path, trace_block_size)
     lines.sort(key=lambda ln: (ln.time, ln.lineno))
     tokens = _BlockTokens(block_size)
-    fresh = iter(range(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + (1 << 62)))
+    fresh = iter(range(OUTPUT_TOKEN_BASE, FRESH_TOKEN_BASE))
     trie = _TipTrie()
     explicit: dict = {}  # session_id -> (hashes, prompt, output) of its last turn
     conv_of: list = []  # per request: inferred conversation index, or None

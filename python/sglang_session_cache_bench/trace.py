@@ -414,8 +414,13 @@ def write_jsonl(trace: Trace, path: str) -> None:
             if isinstance(ev, TraceClose):
                 obj = {"close": ev.session_id}
             else:
-                obj = {"session_id": ev.session_id, "tokens": list(ev.prompt),
-                       "output": list(ev.output)}
+                obj = {"session_id": ev.session_id, "tokens": list(ev.prompt)}
+                # Generated ids (>= 2**40) are not valid JSONL ids; the
+                # reader generates fresh ones again from the length.
+                if any(t >= FRESH_TOKEN_BASE for t in ev.output):
+                    obj["output_len"] = len(ev.output)
+                else:
+                    obj["output"] = list(ev.output)
                 if ev.close:
                     obj["close"] = True
             obj["time"] = round(ev.time, 6)

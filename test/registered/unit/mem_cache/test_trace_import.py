@@ -115,6 +115,21 @@ def test_mooncake_inference_picks_the_latest_conversation_with_that_list(tmp_pat
     assert [second.turn, third.turn, fourth.turn] == [1, 2, 3]
 
 
+def test_jsonl_with_output_len_round_trips_through_save_trace(tmp_path):
+    path = _write(tmp_path / "t.jsonl", [
+        {"session_id": "a", "tokens": [1, 2, 3], "output_len": 3, "time": 1.5},
+        {"session_id": "a", "tokens": [1, 2, 3, 9], "output": [4, 5], "close": True},
+    ])
+    t = read_jsonl(path)
+    from sglang_session_cache_bench.trace import write_jsonl
+
+    write_jsonl(t, str(tmp_path / "again.jsonl"))
+    u = read_jsonl(str(tmp_path / "again.jsonl"))
+    assert [(e.prompt, len(e.output), e.close, e.time) for e in u.requests] == \
+        [(e.prompt, len(e.output), e.close, e.time) for e in t.requests]
+    assert u.requests[1].output == [4, 5]
+
+
 def test_mooncake_given_sessions_cumulative_and_delta_turns(tmp_path):
     path = _write(tmp_path / "m.jsonl", [
         _mc(0, 1024, [1, 2], session_id="s1"),
@@ -232,6 +247,22 @@ def test_mooncake_trace_replays_on_the_real_cache(tmp_path, capsys):
     on = results["shapes"]["full"][0]["on"]
     assert on["followups"] == 6 and on["followups_kept"] == 6
     assert on["sessions_closed"] == 2 and on["tracker"]["closed"] == 2
+    # --save-trace writes it as JSONL that replays the same stream.
+    saved = tmp_path / "saved.jsonl"
+    rc = agentic.main(["--trace", path, "--block-size", "8", "--shapes", "full",
+                       "--sizes", "200", "--out", str(tmp_path / "s1"), "--no-plot",
+                       "--save-trace", str(saved)])
+    assert rc == 0 and detect_format(str(saved)) == "jsonl"
+    rc = agentic.main(["--trace", str(saved), "--shapes", "full", "--sizes", "200",
+                       "--out", str(tmp_path / "s2"), "--no-plot"])
+    assert rc == 0
+    again = json.loads((tmp_path / "s2" / agentic.RESULTS_JSON).read_text())
+    first = json.loads((tmp_path / "s1" / agentic.RESULTS_JSON).read_text())
+    for key in ("off", "on"):
+        a, b = first["shapes"]["full"][0][key], again["shapes"]["full"][0][key]
+        assert a["stream_digest"] == b["stream_digest"]
+        assert a["reused_tokens"] == b["reused_tokens"]
+    assert again["trace"]["duration_s"] == first["trace"]["duration_s"]
     # --close never: nothing closed, the sessions stay open.
     rc = agentic.main(["--trace", path, "--block-size", "8", "--shapes", "full",
                        "--sizes", "200", "--close", "never", "--out", str(out),
