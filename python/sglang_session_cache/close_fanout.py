@@ -6,7 +6,7 @@ the worker that holds the session.  Closing on *every* worker is safe -- an
 unknown session's close is a no-op on SGLang -- and needs no routing state:
 
     python -m sglang_session_cache.close_fanout --router http://127.0.0.1:30000 agent-42
-    python -m sglang_session_cache.close_fanout --workers http://w1:8000 http://w2:8000 agent-42
+    python -m sglang_session_cache.close_fanout --worker http://w1:8000 --worker http://w2:8000 agent-42
 
 ``--router`` asks the router for its workers (``GET /workers``).  The session
 TTL (``--session-radix-cache-ttl``) stays the backstop for closes that never
@@ -83,7 +83,8 @@ def main(argv: Optional[list] = None) -> int:
         description="POST /close_session for a session to every worker behind a router.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--router", help="router URL; workers come from its GET /workers")
-    src.add_argument("--workers", nargs="+", help="worker URLs")
+    src.add_argument("--worker", action="append", dest="workers",
+                     help="a worker URL (repeat for each worker)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("session_id", nargs="+")
     args = p.parse_args(argv)
