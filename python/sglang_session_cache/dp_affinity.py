@@ -9,7 +9,8 @@ one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
 * later requests go to the bound rank, unless that rank is overloaded or no
   longer active; then the session is rebound to the least-loaded rank
   (counted, and logged in aggregate by the caller).  Overloaded means all
-  three: its load is above ``overload_factor`` x the mean over active ranks;
+  three: its load is above ``overload_factor`` x the mean load of the other
+  active ranks;
   it exceeds the least-loaded rank's by more than the request's own tokens
   (moving a session costs a prefill of its whole prompt on the new rank, so
   a move must at least save that much queue); and it is at least
@@ -31,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-DEFAULT_OVERLOAD_FACTOR = 1.5
+DEFAULT_OVERLOAD_FACTOR = 3.0
 DEFAULT_MAX_BINDINGS = 100_000
 
 
@@ -98,8 +99,7 @@ class SessionAffinity:
         """The rank for a request of ``session_id``.
 
         ``active``: ranks that may take requests (non-empty); ``loads[r]``:
-        rank ``r``'s load (any comparable number; the mean is taken over
-        ``active``); ``cost``: what a move would recompute (the request's
+        rank ``r``'s load (any number; means are taken over ``active``); ``cost``: what a move would recompute (the request's
         prompt tokens, in the units of ``loads``).  Ties go to the lowest
         rank, so the choice is a pure function of the inputs.
         """
@@ -136,9 +136,9 @@ class SessionAffinity:
         load = loads[rank]
         if load < self.min_load:
             return False
-        mean = sum(loads[r] for r in active) / len(active)
-        lightest = min(loads[r] for r in active)
-        return load > self.overload_factor * mean and load - lightest > cost
+        others = [loads[r] for r in active if r != rank]
+        mean_others = sum(others) / len(others)
+        return load > self.overload_factor * mean_others and load - min(others) > cost
 
     def close(self, session_id: str) -> bool:
         """End the binding of a closed session; ``False`` if it had none."""

@@ -42,7 +42,7 @@ def normalize_factor(value: Any) -> float:
     if math.isnan(v) or math.isinf(v) or v < 0 or 0 < v <= 1:
         raise AffinityOptionError(
             f"{_flag(FACTOR_FIELD)} must be 0 (guard off) or a finite number > 1 "
-            f"(times the mean rank load), got {value!r}")
+            f"(times the other ranks' mean load), got {value!r}")
     return v
 
 
@@ -79,8 +79,9 @@ OPTIONS = {
         DEFAULT_OVERLOAD_FACTOR, normalize_factor,
         "Session DP affinity overload guard: a session is moved to the "
         "least-loaded rank when its bound rank's load exceeds this many times "
-        "the mean rank load (and the lightest rank's load by more than the "
-        f"request's tokens). 0 turns the guard off. Default {DEFAULT_OVERLOAD_FACTOR}.",
+        "the mean load of the other ranks, exceeds the lightest rank's by more "
+        "than the request's tokens, and is over half the rank's capacity. "
+        f"0 turns the guard off. Default {DEFAULT_OVERLOAD_FACTOR}.",
     ),
     MAX_FIELD: (
         DEFAULT_MAX_BINDINGS, normalize_max,

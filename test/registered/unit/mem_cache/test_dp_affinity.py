@@ -40,8 +40,8 @@ from dp_stand_ins import COLLECTOR_ENV, run_controller_forking_stand_ins  # noqa
 def test_first_turn_binds_least_loaded_then_follows():
     aff = SessionAffinity(overload_factor=1.5)
     assert aff.route("a", [0, 1, 2], [30, 10, 20], now=0) == 1
-    # Loads change, the session stays (no overload: 25 < 1.5 * mean).
-    assert aff.route("a", [0, 1, 2], [10, 25, 20], now=1) == 1
+    # Loads change, the session stays (no overload: 20 < 1.5 x the others' 15).
+    assert aff.route("a", [0, 1, 2], [10, 20, 20], now=1) == 1
     assert aff.rank_of("a") == 1
     assert aff.counters.bound == 1 and aff.counters.followed == 1
 
@@ -55,7 +55,7 @@ def test_ties_go_to_the_lowest_rank():
 def test_overload_guard_rebinds_to_least_loaded():
     aff = SessionAffinity(overload_factor=1.5)
     aff.route("a", [0, 1], [0, 0], now=0)  # -> 0
-    # 1000 > 1.5 * 550 and exceeds the lightest by more than the request (100).
+    # 1000 > 1.5 x the other's 100 and exceeds it by more than the request (100).
     assert aff.route("a", [0, 1], [1000, 100], now=1, cost=100) == 1
     assert aff.counters.rebound_overload == 1
     assert aff.route("a", [0, 1], [100, 120], now=2, cost=100) == 1  # stays
@@ -162,7 +162,7 @@ def test_session_key():
 def test_options_defaults_keywords_and_pickling():
     args = ServerArgs(model_path="dummy")
     assert args.disable_session_dp_affinity is False
-    assert args.session_dp_affinity_overload_factor == 1.5
+    assert args.session_dp_affinity_overload_factor == 3.0
     assert args.session_dp_affinity_max_sessions == 100_000
     args = ServerArgs(model_path="dummy", disable_session_dp_affinity=True,
                       session_dp_affinity_overload_factor=3,

@@ -1,0 +1,102 @@
+"""Close a session on every worker behind a router.
+
+SGLang Model Gateway (``smg`` 1.13.0) routes ``/generate`` by routing key but
+has no ``/close_session`` route, so a close sent to the router never reaches
+the worker that holds the session.  Closing on *every* worker is safe -- an
+unknown session's close is a no-op on SGLang -- and needs no routing state:
+
+    python -m sglang_session_cache.close_fanout --router http://127.0.0.1:30000 agent-42
+    python -m sglang_session_cache.close_fanout --worker http://w1:8000 --worker http://w2:8000 agent-42
+
+``--router`` asks the router for its workers (``GET /workers``).  The session
+TTL (``--session-radix-cache-ttl``) stays the backstop for closes that never
+arrive.  Standard library only; one thread per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class CloseResult:
+    worker: str
+    ok: bool
+    status: Optional[int] = None
+    error: str = ""
+
+
+def router_workers(router_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """Worker URLs the router knows, from its ``GET /workers`` listing."""
+    with urllib.request.urlopen(router_url.rstrip("/") + "/workers", timeout=timeout) as r:
+        doc = json.loads(r.read().decode("utf-8"))
+    items = doc.get("workers", doc) if isinstance(doc, dict) else doc
+    urls = []
+    for item in items if isinstance(items, list) else []:
+        url = item.get("url") if isinstance(item, dict) else item
+        if isinstance(url, str) and url.startswith(("http://", "https://")) and url not in urls:
+            urls.append(url)
+    if not urls:
+        raise ValueError(f"{router_url}/workers lists no HTTP workers: {doc!r}")
+    return urls
+
+
+def _close_one(worker: str, session_id: str, timeout: float) -> CloseResult:
+    body = json.dumps({"session_id": session_id}).encode("utf-8")
+    req = urllib.request.Request(
+        worker.rstrip("/") + "/close_session", data=body, method="POST",
+        headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return CloseResult(worker, 200 <= r.status < 300, r.status)
+    except urllib.error.HTTPError as e:
+        return CloseResult(worker, False, e.code, e.read().decode("utf-8", "replace")[:200])
+    except (urllib.error.URLError, OSError) as e:
+        return CloseResult(worker, False, None, str(e))
+
+
+def close_everywhere(session_id: str, workers: Iterable[str],
+                     timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    """POST ``/close_session`` for ``session_id`` to every worker at once.
+    Never raises for a worker that fails: each gets a ``CloseResult``."""
+    if not isinstance(session_id, str) or not session_id:
+        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+    workers = list(dict.fromkeys(workers))
+    if not workers:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(workers))) as pool:
+        return list(pool.map(lambda w: _close_one(w, session_id, timeout), workers))
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_session_cache.close_fanout",
+        description="POST /close_session for a session to every worker behind a router.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--router", help="router URL; workers come from its GET /workers")
+    src.add_argument("--worker", action="append", dest="workers",
+                     help="a worker URL (repeat for each worker)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("session_id", nargs="+")
+    args = p.parse_args(argv)
+    workers = args.workers or router_workers(args.router, args.timeout)
+    failed = 0
+    for sid in args.session_id:
+        for r in close_everywhere(sid, workers, args.timeout):
+            failed += not r.ok
+            print(f"{sid}\t{r.worker}\t{'ok' if r.ok else 'FAILED'}\t"
+                  f"{r.status if r.status is not None else '-'}\t{r.error}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
