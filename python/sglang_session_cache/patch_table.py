@@ -111,6 +111,16 @@ PATCHES: tuple[Patch, ...] = (
         "instead of crashing the scheduler.",
     ),
     Patch(
+        name="tokenizer_manager.session_id_rule",
+        module="sglang.srt.managers.tokenizer_manager",
+        targets=("TokenizerManager.generate_request", "TokenizerManager.open_session",
+                 "TokenizerManager.close_session"),
+        apply="sglang_session_cache.patches.session_id_edge:apply_tokenizer_manager",
+        why="With the flag on, session ids breaking the one rule (session_ids.py: "
+        "non-empty, not whitespace-only, str, <= 256 chars, no control "
+        "characters) get a ValueError -> HTTP 400 before reaching the scheduler.",
+    ),
+    Patch(
         name="common.swa_retain_floor",
         module="sglang.srt.mem_cache.common",
         targets=("free_swa_out_of_window_slots",),

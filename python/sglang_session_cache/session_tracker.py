@@ -32,6 +32,7 @@ from sglang_session_cache.component_refs import (
 )
 from sglang_session_cache.session_idle import IdleSchedule
 from sglang_session_cache.session_ttl import ExpiryLog, normalize_ttl
+from sglang_session_cache.session_ids import session_id_problem
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -59,7 +60,7 @@ REQ_ARRIVAL_ATTR = "session_ref_arrival"
 
 
 class SessionRefError(ValueError):
-    """Bad session input (empty or non-string id).  Nothing is changed."""
+    """Bad session input (an id breaking the session_ids rule).  Nothing is changed."""
 
 
 def plain_session_id(session_id: Any) -> Optional[str]:
@@ -78,14 +79,12 @@ def describe_id(sid: str, limit: int = 64) -> str:
 
 
 def check_session_id(session_id: Any) -> str:
+    # The same rule as the HTTP edge (session_ids.py): defence in depth for
+    # ids that arrive without passing it (Engine API, direct cache calls).
     sid = plain_session_id(session_id)
-    if sid is None:
-        # Only the type name: repr() of an arbitrary object may raise.
-        raise SessionRefError(
-            f"session_id must be a non-empty string, got {type(session_id).__name__}"
-        )
-    if not str.strip(sid):
-        raise SessionRefError(f"session_id must be a non-empty string, got {describe_id(sid)}")
+    problem = session_id_problem(sid if sid is not None else session_id)
+    if problem is not None:
+        raise SessionRefError(problem)
     return sid
 
 

@@ -311,7 +311,7 @@ def test_close_is_idempotent_and_unknown_close_is_harmless(h, caplog):
     assert referenced_total(h) == 0
 
 
-@pytest.mark.parametrize("bad", ["", "   ", None, 42])
+@pytest.mark.parametrize("bad", ["", "   ", None, 42, "x" * 100_000, "a\x00b", "a\nb"])
 def test_bad_session_ids_get_a_clear_error_and_change_nothing(bad):
     h = SHAPES["full"]()
     h.run_request(SYSTEM + [1, 2], session_id="keep")
