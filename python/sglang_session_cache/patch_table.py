@@ -90,15 +90,17 @@ PATCHES: tuple[Patch, ...] = (
         targets=("ServerArgs._handle_cache_compatibility",),
         apply="sglang_session_cache.patches.server_wiring:apply_server_args",
         why="--enable-session-radix-cache no longer requires "
-        "--radix-eviction-policy priority; other checks unchanged.",
+        "--radix-eviction-policy priority; other checks unchanged. Fails fast "
+        "when the flag would have no effect (no unified tree for this model, "
+        "see unified_tree_requirement.py).",
     ),
     Patch(
-        name="registry.no_effect_guard",
+        name="registry.unified_tree_required",
         module="sglang.srt.mem_cache.registry",
         targets=("create_tree_cache",),
         apply="sglang_session_cache.patches.server_wiring:apply_registry",
-        why="One startup warning when the flag is on but the cache built is not "
-        "the unified tree (the flag then has no effect).",
+        why="Start-up error (not a warning) when the flag is on but the cache "
+        "built is not the unified tree: the flag would silently do nothing.",
     ),
     Patch(
         name="scheduler.session_forwarding",

@@ -15,11 +15,6 @@ from sglang_session_cache.patches._wrap import wrap_method
 _sched_logger = logging.getLogger("sglang.srt.managers.scheduler")
 _registry_logger = logging.getLogger("sglang.srt.mem_cache.registry")
 
-NO_EFFECT_WARNING = (
-    "--enable-session-radix-cache has no effect: the prefix cache is {kind}, not "
-    "UnifiedRadixCache. Session references are implemented on the unified tree "
-    "only; start the server with SGLANG_ENABLE_UNIFIED_RADIX_TREE=1 to use them."
-)
 TTL_NO_EFFECT_WARNING = (
     "--session-radix-cache-ttl has no effect without --enable-session-radix-cache."
 )
@@ -38,13 +33,21 @@ def _wrap_cache_compat(orig):
     # 0.5.16 demanded --radix-eviction-policy priority for the old RadixCache
     # mixin.  The unified tree orders eviction by session references under any
     # policy, so the check is lifted; every other compatibility rule still runs.
+    # It also fails fast when the flag would have no effect (no unified tree).
     def _handle_cache_compatibility(self):
         flag = self.enable_session_radix_cache
         self.enable_session_radix_cache = False
         try:
-            return orig(self)
+            result = orig(self)
         finally:
             self.enable_session_radix_cache = flag
+        if flag:
+            from sglang_session_cache.unified_tree_requirement import startup_problem
+
+            problem = startup_problem(self)
+            if problem is not None:
+                raise ValueError(problem)
+        return result
 
     return _handle_cache_compatibility
 
@@ -68,11 +71,16 @@ def apply_server_args_ttl(module) -> None:
 
 def _wrap_create_tree_cache(orig):
     def create_tree_cache(ctx):
+        from sglang_session_cache.unified_tree_requirement import built_cache_problem
+
         cache = orig(ctx)
         server_args = getattr(ctx, "server_args", None)  # getattr(None, ...) is safe
         enabled = bool(getattr(server_args, "enable_session_radix_cache", False))
-        if enabled and getattr(cache, "session_ref_tracker", None) is None:
-            _registry_logger.warning(NO_EFFECT_WARNING.format(kind=type(cache).__name__))
+        problem = built_cache_problem(server_args, cache)
+        if problem is not None:
+            # Scheduler start-up, not its loop: the launch fails with this message
+            # instead of running with a flag that silently does nothing.
+            raise ValueError(problem)
         if not enabled and getattr(server_args, "session_radix_cache_ttl", None) is not None:
             _registry_logger.warning(TTL_NO_EFFECT_WARNING)
         return cache

@@ -52,7 +52,7 @@ def test_other_cache_compatibility_rules_still_apply(server_args):
         server_args.enable_hierarchical_cache, server_args.disable_radix_cache = saved
 
 
-def test_guard_warns_when_cache_is_not_unified(server_args, caplog):
+def test_guard_fails_when_built_cache_is_not_unified(server_args, caplog):
     from sglang_session_cache.patches.server_wiring import _wrap_create_tree_cache
 
     # The module-level factory SGLang's kv_cache_builder imports is the guarded one.
@@ -61,16 +61,14 @@ def test_guard_warns_when_cache_is_not_unified(server_args, caplog):
 
     # A cache without session tracking (what RadixCache/ChunkCache would be).
     plain = make_full_cache(enable_session=False).cache
-    with caplog.at_level(logging.WARNING):
-        assert _wrap_create_tree_cache(lambda _ctx: plain)(ctx) is plain
-    assert "--enable-session-radix-cache has no effect" in caplog.text
-    assert "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1" in caplog.text
+    with pytest.raises(ValueError, match="needs the unified radix tree") as e:
+        _wrap_create_tree_cache(lambda _ctx: plain)(ctx)
+    assert "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1" in str(e.value)
 
-    caplog.clear()
     unified = make_full_cache(enable_session=True).cache
-    with caplog.at_level(logging.WARNING):
-        _wrap_create_tree_cache(lambda _ctx: unified)(ctx)
-    assert "has no effect" not in caplog.text
+    assert _wrap_create_tree_cache(lambda _ctx: unified)(ctx) is unified
+    server_args.enable_session_radix_cache = False  # flag off: stock, whatever the cache
+    assert _wrap_create_tree_cache(lambda _ctx: plain)(ctx) is plain
 
 
 def test_open_and_close_session_forward_to_the_cache(server_args):
