@@ -1,0 +1,86 @@
+"""Helpers for the live-server E2E tests: start a module's servers once, in
+parallel; stop them by process group; print their logs when a test failed;
+fail on any Traceback in them."""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, Iterable, List, Optional
+
+import pytest
+import requests
+
+from sglang_session_cache_bench.live_server import LaunchedServer, start_all
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def module_servers(request, servers: Dict[str, LaunchedServer], allow_traceback=()):
+    """Start ``servers`` in parallel; the finalizer stops them, prints their logs
+    if any test of the module failed, and fails on a Traceback in a log."""
+    failed_before = request.session.testsfailed
+    servers = dict(servers)  # the caller may add entries to the returned dict
+    start_all(servers.values())
+
+    def finish():
+        for s in servers.values():
+            s.stop()
+        problems = []
+        for name, s in servers.items():
+            text = s.log_text()
+            if request.session.testsfailed > failed_before:
+                print(f"\n===== server log {name} ({s.log_path}) =====\n{text[-20000:]}")
+            if "Traceback" in text and name not in allow_traceback:
+                problems.append(f"{name}: Traceback in {s.log_path}:\n{s.log_tail(60)}")
+        if problems:
+            pytest.fail("\n\n".join(problems))
+
+    request.addfinalizer(finish)
+    return dict(servers)
+
+
+def generate(url: str, input_ids: List[int], session_id: Optional[str] = None,
+             max_new_tokens: int = 4, **extra) -> dict:
+    body = {"input_ids": input_ids, "sampling_params": dict(GREEDY, max_new_tokens=max_new_tokens)}
+    if session_id is not None:
+        body["session_id"] = session_id
+    body.update(extra)
+    r = requests.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def close(url: str, session_id) -> requests.Response:
+    return requests.post(url + "/close_session", json={"session_id": session_id}, timeout=60)
+
+
+def tokens(rng: random.Random, n: int, lo: int = 10, hi: int = 500) -> List[int]:
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def run_session(url: str, sid: str, first: List[int], turns: int, rng: random.Random,
+                grow: int = 20, max_new_tokens: int = 4) -> List[dict]:
+    """A multi-turn session resending the whole conversation each turn; returns
+    one record per turn: prompt length, previous prompt+output, cached tokens."""
+    prompt, out, records = list(first), [], []
+    prev_total = 0
+    for _ in range(turns):
+        res = generate(url, prompt, sid, max_new_tokens=max_new_tokens)
+        records.append({"prompt": len(prompt), "prev_total": prev_total,
+                        "cached": res["meta_info"]["cached_tokens"]})
+        out = res["output_ids"]
+        prev_total = len(prompt) + len(out)
+        prompt = prompt + out + tokens(rng, grow)
+    return records
+
+
+def metric_values(url: str, name: str) -> List[float]:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(name + "{") or line.startswith(name + " ")]
+
+
+def flood(url: str, rng: random.Random, n: int, length: int, tag: Iterable[int] = ()) -> None:
+    """Unrelated one-shot traffic (no session)."""
+    for _ in range(n):
+        generate(url, list(tag) + tokens(rng, length), max_new_tokens=2)

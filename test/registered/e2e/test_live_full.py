@@ -1,0 +1,170 @@
+"""E2E on live CPU servers, FULL-only tree (tiny Llama): the contract users run.
+
+Servers (started once, in parallel): ``on`` = unified tree + the flag +
+``--session-radix-cache-ttl`` + ``--enable-metrics``; ``off`` = unified tree,
+flag off (stock SGLang); ``no_unified`` = the flag without
+SGLANG_ENABLE_UNIFIED_RADIX_TREE, which must fail at start-up.
+"""
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from live_utils import close, flood, generate, metric_values, module_servers, run_session, tokens
+from sglang_session_cache_bench.live_server import LaunchedServer
+
+POOL = 1024
+TTL_S = 20
+SESSION_PROMPT = 300
+FLOOD = (8, 300)  # 8 one-shots of 300 tokens: 2.3x the pool
+
+
+@pytest.fixture(scope="module")
+def servers(request):
+    no_unified = LaunchedServer("llama", session_cache=True, unified=False,
+                                max_total_tokens=POOL, name="llama-no-unified").start()
+    srv = module_servers(request, {
+        "on": LaunchedServer("llama", session_cache=True, max_total_tokens=POOL, name="llama-on",
+                             extra_args=["--enable-metrics", "--session-radix-cache-ttl", str(TTL_S)]),
+        "off": LaunchedServer("llama", session_cache=False, max_total_tokens=POOL, name="llama-off"),
+    })
+    request.addfinalizer(no_unified.stop)
+    srv["no_unified"] = no_unified
+    # A session that is left idle: expired by the TTL by the end of the module.
+    generate(srv["on"].url, [7] + tokens(random.Random(99), 40), "ttl-probe")
+    srv["ttl_probe_at"] = time.monotonic()
+    return srv
+
+
+def test_patch_active_in_scheduler_process(servers):
+    log = servers["on"].log_text()
+    assert "Session radix cache enabled on the unified tree (components full)" in log
+    assert "impl=UnifiedRadixCache" in log
+    assert "Session radix cache enabled" not in servers["off"].log_text()
+
+
+def test_flag_without_unified_tree_fails_at_startup(servers):
+    srv = servers["no_unified"]
+    status = srv.wait_exit(timeout=240)
+    log = srv.log_text()
+    assert status not in (None, 0), log[-3000:]
+    assert "--enable-session-radix-cache needs the unified radix tree" in log
+    assert "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1" in log
+    assert "Load weight" not in log  # failed in ServerArgs, before any process spawned
+
+
+def test_multi_turn_session_reuses_previous_prompt_and_output(servers):
+    url = servers["on"].url
+    recs = run_session(url, "multi", [3] + tokens(random.Random(1), 150), turns=4, rng=random.Random(2))
+    assert recs[0]["cached"] < 10
+    for r in recs[1:]:
+        assert r["cached"] >= r["prev_total"], recs
+    assert close(url, "multi").status_code == 200
+
+
+def test_concurrent_sessions(servers):
+    url = servers["on"].url
+
+    def one(i):
+        return run_session(url, f"conc-{i}", [20 + i] + tokens(random.Random(10 + i), 80),
+                           turns=3, rng=random.Random(20 + i))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    for recs in results:
+        for r in recs[1:]:
+            assert r["cached"] >= r["prev_total"], results
+    for i in range(4):
+        assert close(url, f"conc-{i}").status_code == 200
+
+
+def test_kv_reusable_after_close(servers):
+    url = servers["on"].url
+    prompt = [5] + tokens(random.Random(3), 120)
+    first = generate(url, prompt, "closing")
+    assert close(url, "closing").status_code == 200
+    again = generate(url, prompt + first["output_ids"] + [11, 12], "closing")
+    assert again["meta_info"]["cached_tokens"] >= len(prompt) + len(first["output_ids"])
+    assert close(url, "closing").status_code == 200
+
+
+def _session_survives(url: str, sid: str) -> tuple:
+    rng = random.Random(4)
+    prompt = [9] + tokens(rng, SESSION_PROMPT)
+    out = generate(url, prompt, sid)["output_ids"]
+    flood(url, random.Random(5), *FLOOD)
+    nxt = generate(url, prompt + out + tokens(rng, 10), sid)
+    close(url, sid)
+    return nxt["meta_info"]["cached_tokens"], len(prompt) + len(out)
+
+
+def test_open_session_prefix_survives_pressure_only_with_the_flag(servers):
+    cached_on, need = _session_survives(servers["on"].url, "keeper")
+    cached_off, _ = _session_survives(servers["off"].url, "keeper")
+    print(f"FULL pool={POOL}: cached on={cached_on} off={cached_off} of {need}")
+    assert cached_on >= need
+    assert cached_off < need // 2
+
+
+BAD_IDS = {
+    "empty": ("", "empty string"),
+    "whitespace": ("   ", "only whitespace"),
+    "non_string": (42, "got int"),
+    "over_long": ("x" * 100_000, "100000 characters"),
+    "nul": ("a\x00b", "control character"),
+    "newline": ("a\nb", "control character"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_IDS))
+def test_bad_session_ids_get_400_and_server_keeps_serving(servers, kind):
+    url = servers["on"].url
+    bad, why = BAD_IDS[kind]
+    sp = {"temperature": 0, "max_new_tokens": 2}
+    calls = {
+        "generate": ("/generate", {"input_ids": [1, 2, 3], "session_id": bad, "sampling_params": sp}),
+        "session_params": ("/generate", {"input_ids": [1, 2, 3], "session_params": {"id": bad},
+                                         "sampling_params": sp}),
+        "open": ("/open_session", {"capacity_of_str_len": 100, "session_id": bad}),
+        "close": ("/close_session", {"session_id": bad}),
+    }
+    for what, (path, body) in calls.items():
+        r = requests.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400, (what, r.status_code, r.text[:300])
+        if kind == "non_string" and what != "session_params":
+            # Typed str fields: SGLang's own request validation answers 400 first.
+            assert "Input should be a valid string" in r.text, (what, r.text[:300])
+        else:
+            assert "a session id must be a non-empty string of at most 256" in r.text, (what, r.text[:300])
+            assert why in r.text, (what, r.text[:300])
+        assert len(r.text) < 2000  # the 100k id is not echoed back
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+    assert generate(url, [1, 2, 3], f"fine-{kind}")["meta_info"]["completion_tokens"] == 4
+    assert close(url, f"fine-{kind}").status_code == 200
+
+
+def test_unknown_and_double_close_are_harmless(servers):
+    url = servers["on"].url
+    assert close(url, "never-opened").status_code == 200
+    generate(url, [4, 5, 6], "twice")
+    assert close(url, "twice").status_code == 200
+    assert close(url, "twice").status_code == 200
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_ttl_from_cli_and_metrics(servers):
+    url = servers["on"].url
+    wait = TTL_S + 1 - (time.monotonic() - servers["ttl_probe_at"])
+    if wait > 0:
+        time.sleep(wait)
+    generate(url, [8, 8, 8])  # any arrival ticks the TTL; its stats publish the metrics
+    log = servers["on"].log_text()
+    assert "session: open=" in log
+    assert "expired" in log and "idle session" in log
+    for name in ("sglang:session_radix_open_sessions", "sglang:session_radix_referenced_tokens",
+                 "sglang:session_radix_sessions_closed_total"):
+        assert metric_values(url, name), name
+    assert max(metric_values(url, "sglang:session_radix_sessions_expired_total")) >= 1
