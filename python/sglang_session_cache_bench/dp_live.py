@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 import urllib.request
 from typing import Optional
@@ -25,6 +26,7 @@ from sglang_session_cache_bench.live_server import LaunchedServer
 from sglang_session_cache_bench.tiny_models import VOCAB_SIZE
 
 AFFINITY_LINE = "Session DP affinity on"
+_PREFILL = re.compile(r"^\[[^\]]* DP(\d+)\] Prefill batch", re.M)
 
 
 def _generate(url: str, ids: list, sid: str, n_out: int) -> dict:
@@ -51,10 +53,10 @@ def run(affinity: bool, sessions: int = 3, turns: int = 4, seed: int = 0,
                 meta = out["meta_info"]
                 rows.append({"session": sid, "turn": t + 1, "prompt": meta["prompt_tokens"],
                              "cached": meta.get("cached_tokens", 0)})
+                # The next turn resends this prompt plus new tokens (the
+                # model's output ids when the response carries them).
                 conv += list(out.get("output_ids") or []) + [rng.randrange(VOCAB_SIZE)
                                                            for _ in range(32)]
-            # Output ids may be absent in the response: the next prompt still
-            # extends this one, so the whole previous prompt is reusable.
         log = srv.log_text()
     followups = [r for r in rows if r["turn"] > 1]
     return {
@@ -62,6 +64,8 @@ def run(affinity: bool, sessions: int = 3, turns: int = 4, seed: int = 0,
         "rows": rows,
         "followup_hit": sum(r["cached"] for r in followups) / max(1, sum(r["prompt"] for r in followups)),
         "affinity_line": AFFINITY_LINE in log,
+        "prefills_per_rank": {k: _PREFILL.findall(log).count(k)
+                              for k in sorted(set(_PREFILL.findall(log)))},
         "traceback": "Traceback" in log,
         "log_path": str(srv.log_path),
     }
@@ -79,6 +83,7 @@ def main(argv: Optional[list] = None) -> int:
     print(f"{'session':<8} {'turn':>4} {'prompt':>7} {'cached':>7}")
     for r in res["rows"]:
         print(f"{r['session']:<8} {r['turn']:>4} {r['prompt']:>7} {r['cached']:>7}")
+    print(f"prefill batches per DP rank (scheduler log): {res['prefills_per_rank']}")
     print(f"follow-up turns: cached / prompt = {res['followup_hit']:.3f}; log: {res['log_path']}")
     return 1 if res["traceback"] else 0
 
