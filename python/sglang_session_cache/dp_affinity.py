@@ -5,7 +5,9 @@ next turn only reuses its KV if it lands on the rank that served the previous
 one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
 
 * the first request of a session binds it to the least-loaded active rank,
-  by the load the caller passes (the controller's own ``DPBudget``);
+  by the load the caller passes (the controller's own ``DPBudget``); equal
+  loads (an idle server) go to the rank with the fewest bound sessions, so
+  sessions that start on an idle server still spread;
 * later requests go to the bound rank, unless that rank is overloaded or no
   longer active; then the session is rebound to the least-loaded rank
   (counted, and logged in aggregate by the caller).  Overloaded means all
@@ -80,6 +82,7 @@ class SessionAffinity:
         self.min_load = min_load
         self.counters = AffinityCounters()
         self._bindings: "OrderedDict[str, _Binding]" = OrderedDict()
+        self._bound_per_rank: dict = {}  # rank -> bindings, the tie-breaker
 
     def __len__(self) -> int:
         return len(self._bindings)
@@ -109,24 +112,46 @@ class SessionAffinity:
         b = self._bindings.get(session_id)
         c = self.counters
         if b is None:
-            rank = _least_loaded(active, loads)
+            rank = self._least_loaded(active, loads)
             c.bound += 1
             self._bindings[session_id] = _Binding(rank, now)
+            self._count(rank, +1)
             if len(self._bindings) > self.max_bindings:
-                self._bindings.popitem(last=False)
+                _, old = self._bindings.popitem(last=False)
+                self._count(old.rank, -1)
                 c.evicted += 1
             return rank
         if b.rank not in active:
-            b.rank = _least_loaded(active, loads)
+            self._move(b, self._least_loaded(active, loads))
             c.rebound_inactive += 1
         elif self._overloaded(b.rank, active, loads, cost):
-            b.rank = _least_loaded(active, loads)
+            self._move(b, self._least_loaded(active, loads))
             c.rebound_overload += 1
         else:
             c.followed += 1
         b.last = now
         self._bindings.move_to_end(session_id)
         return b.rank
+
+    def _least_loaded(self, active: Sequence[int], loads: Sequence[float]) -> int:
+        per_rank = self._bound_per_rank
+        return min(active, key=lambda r: (loads[r], per_rank.get(r, 0), r))
+
+    def _count(self, rank: int, delta: int) -> None:
+        n = self._bound_per_rank.get(rank, 0) + delta
+        if n:
+            self._bound_per_rank[rank] = n
+        else:
+            self._bound_per_rank.pop(rank, None)
+
+    def _move(self, b: _Binding, rank: int) -> None:
+        self._count(b.rank, -1)
+        self._count(rank, +1)
+        b.rank = rank
+
+    def bound_per_rank(self) -> dict:
+        """Sessions bound to each rank (ranks with none are left out)."""
+        return dict(self._bound_per_rank)
 
     def _overloaded(
         self, rank: int, active: Sequence[int], loads: Sequence[float], cost: float
@@ -142,8 +167,10 @@ class SessionAffinity:
 
     def close(self, session_id: str) -> bool:
         """End the binding of a closed session; ``False`` if it had none."""
-        if self._bindings.pop(session_id, None) is None:
+        b = self._bindings.pop(session_id, None)
+        if b is None:
             return False
+        self._count(b.rank, -1)
         self.counters.closed += 1
         return True
 
@@ -158,17 +185,10 @@ class SessionAffinity:
             if now - b.last < self.ttl:
                 break
             del bindings[sid]
+            self._count(b.rank, -1)
             n += 1
         self.counters.expired += n
         return n
-
-
-def _least_loaded(active: Sequence[int], loads: Sequence[float]) -> int:
-    best = active[0]
-    for r in active[1:]:
-        if loads[r] < loads[best] or (loads[r] == loads[best] and r < best):
-            best = r
-    return best
 
 
 __all__ = [

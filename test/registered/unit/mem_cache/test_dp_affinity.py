@@ -46,10 +46,30 @@ def test_first_turn_binds_least_loaded_then_follows():
     assert aff.counters.bound == 1 and aff.counters.followed == 1
 
 
-def test_ties_go_to_the_lowest_rank():
+def test_ties_go_to_the_rank_with_fewest_sessions_then_the_lowest():
     aff = SessionAffinity()
     assert aff.route("a", [2, 0, 1], [5, 5, 5], now=0) == 0
     assert aff.route("b", [2, 1], [0, 7, 7], now=0) == 1
+    # An idle server (all loads equal): new sessions still spread.
+    idle = SessionAffinity()
+    assert [idle.route(f"s{i}", [0, 1, 2], [0, 0, 0], now=i) for i in range(6)] == \
+        [0, 1, 2, 0, 1, 2]
+    idle.close("s1")
+    assert idle.route("t", [0, 1, 2], [0, 0, 0], now=7) == 1
+    assert idle.bound_per_rank() == {0: 2, 1: 2, 2: 2}
+
+
+def test_bound_counts_follow_moves_expiry_and_the_cap():
+    aff = SessionAffinity(overload_factor=1.5, max_bindings=3, ttl=10)
+    aff.route("a", [0, 1], [0, 0], now=0)  # 0
+    aff.route("b", [0, 1], [0, 0], now=1)  # 1
+    aff.route("a", [0, 1], [1000, 0], now=2, cost=1)  # moved to 1
+    assert aff.bound_per_rank() == {1: 2}
+    aff.route("c", [0, 1], [0, 0], now=3)  # 0
+    aff.route("d", [0, 1], [0, 0], now=4)  # cap: drops "b" (least recent)
+    assert aff.rank_of("b") is None and sum(aff.bound_per_rank().values()) == 3
+    aff.expire(100)
+    assert aff.bound_per_rank() == {} and len(aff) == 0
 
 
 def test_overload_guard_rebinds_to_least_loaded():
