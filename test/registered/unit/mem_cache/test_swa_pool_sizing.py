@@ -28,7 +28,9 @@ from sglang_session_cache.patches import swa_pool_sizing as sizing
 from sglang_session_cache.patches._wrap import PATCHED_FLAG
 
 LOGGER = "sglang.srt.model_executor.pool_configurator"
-ORIGINAL_SOLVE = pc.HybridSWAPoolConfigurator._solve_pool_sizes.__wrapped__
+# (stock when imported by flag_off_ops in an unpatched interpreter)
+ORIGINAL_SOLVE = getattr(pc.HybridSWAPoolConfigurator._solve_pool_sizes, "__wrapped__",
+                         pc.HybridSWAPoolConfigurator._solve_pool_sizes)
 PAGE, WINDOW, INTERVAL = 128, 128, 256
 PER_REQ = WINDOW + INTERVAL + PAGE  # 512
 # 4 KV heads x (64 + 64) dims x 2 bytes: 1024 bytes per token and layer.
@@ -57,61 +59,69 @@ def _model_config(full_layers=(3, 7), swa_layers=(1, 5, 9)):
     )
 
 
+def build_kvc(
+    overrides,
+    *,
+    mamba=True,
+    window=WINDOW,
+    page_size=PAGE,
+    full_layers=(3, 7),
+    swa_layers=(1, 5, 9),
+    **server_kwargs,
+):
+    """A real KVCacheConfigurator; the installed ServerArgs override is
+    appended to ``overrides`` (restore them in reverse order). Needs
+    ``get_parallel().override(attn_tp_size=1)`` around it."""
+    kwargs = dict(
+        page_size=page_size,
+        mamba_radix_cache_strategy="extra_buffer",
+        mamba_track_interval=INTERVAL,
+        max_mamba_cache_size=300,  # 300 // 5 (extra buffer, overlap) = 60 requests
+        swa_full_tokens_ratio=0.8,
+        # The sizing belongs to the session feature (flag off = stock).
+        enable_session_radix_cache=True,
+    )
+    kwargs.update(server_kwargs)
+    override = get_context().override_server_args(**kwargs)
+    server_args = override.install()
+    overrides.append(override)
+    kvc = KVCacheConfigurator(
+        device="cpu",
+        gpu_id=0,
+        ps=NS(attn_dp_size=1, pp_size=1),
+        pp_group=None,
+        model=None,
+        model_config=_model_config(full_layers, swa_layers),
+        server_args=server_args,
+        kv_cache_dtype=torch.bfloat16,
+        model_dtype=torch.bfloat16,
+        page_size=page_size,
+        sliding_window_size=window,
+        spec_algorithm=SpeculativeAlgorithm.NONE,
+        is_draft_worker=False,
+        post_capture_kv_active=False,
+        spec_aux_config=None,
+        is_hybrid_swa=True,
+        is_hybrid_swa_compress=False,
+        use_mla_backend=False,
+        layer_info=NS(start_layer=0, end_layer=10, num_effective_layers=10),
+        forward_stream=None,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+        memory_pool_config=None,
+    )
+    # What mambaish_config() returns for a linear-attention hybrid; the
+    # sizing only asks whether there is one.
+    kvc.mambaish_config = NS(name="constructed-linear-attention") if mamba else None
+    return kvc
+
+
 @pytest.fixture
 def make_kvc():
     overrides = []
 
-    def make(
-        *,
-        mamba=True,
-        window=WINDOW,
-        page_size=PAGE,
-        full_layers=(3, 7),
-        swa_layers=(1, 5, 9),
-        **server_kwargs,
-    ):
-        kwargs = dict(
-            page_size=page_size,
-            mamba_radix_cache_strategy="extra_buffer",
-            mamba_track_interval=INTERVAL,
-            max_mamba_cache_size=300,  # 300 // 5 (extra buffer, overlap) = 60 requests
-            swa_full_tokens_ratio=0.8,
-            # The sizing belongs to the session feature (flag off = stock).
-            enable_session_radix_cache=True,
-        )
-        kwargs.update(server_kwargs)
-        override = get_context().override_server_args(**kwargs)
-        server_args = override.install()
-        overrides.append(override)
-        kvc = KVCacheConfigurator(
-            device="cpu",
-            gpu_id=0,
-            ps=NS(attn_dp_size=1, pp_size=1),
-            pp_group=None,
-            model=None,
-            model_config=_model_config(full_layers, swa_layers),
-            server_args=server_args,
-            kv_cache_dtype=torch.bfloat16,
-            model_dtype=torch.bfloat16,
-            page_size=page_size,
-            sliding_window_size=window,
-            spec_algorithm=SpeculativeAlgorithm.NONE,
-            is_draft_worker=False,
-            post_capture_kv_active=False,
-            spec_aux_config=None,
-            is_hybrid_swa=True,
-            is_hybrid_swa_compress=False,
-            use_mla_backend=False,
-            layer_info=NS(start_layer=0, end_layer=10, num_effective_layers=10),
-            forward_stream=None,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=None,
-            memory_pool_config=None,
-        )
-        # What mambaish_config() returns for a linear-attention hybrid; the
-        # sizing only asks whether there is one.
-        kvc.mambaish_config = NS(name="constructed-linear-attention") if mamba else None
-        return kvc
+    def make(**kwargs):
+        return build_kvc(overrides, **kwargs)
 
     with get_parallel().override(attn_tp_size=1):
         yield make
