@@ -130,6 +130,18 @@ def _session_error(e: Exception) -> str:
     return f"invalid session id ({type(e).__name__})"
 
 
+def _plain_or_none(session_id):
+    """The plain-str copy of an id, ``None`` for anything that is not a str:
+    stock code hashes and compares ids, and a hostile ``str`` subclass or
+    object (Engine API) would raise in there."""
+    from sglang_session_cache.session_tracker import plain_session_id
+
+    try:
+        return plain_session_id(session_id)
+    except Exception:  # noqa: BLE001 - e.g. a __class__ property that raises
+        return None
+
+
 def _wrap_open_session(orig):
     def open_session(self, recv_req):
         # Decided from the controller's state, not the reply (only rank 0 gets
@@ -137,6 +149,12 @@ def _wrap_open_session(orig):
         # sessions) must not start a new generation.
         refused = False
         if self.server_args.enable_session_radix_cache:
+            sid = recv_req.session_id
+            plain = _plain_or_none(sid)
+            if sid is not None and plain is None:
+                _sched_logger.warning("open_session rejected: session_id must be a string")
+            # None makes stock open answer "cannot open" (success=False).
+            recv_req.session_id = plain
             try:
                 refused = recv_req.session_id in self.session_controller
             except Exception:  # noqa: BLE001 - a hostile id; the opener rejects it
@@ -167,7 +185,7 @@ def _wrap_close_session(orig):
         try:
             # Stock close hashes and compares the id: a hostile str subclass
             # would raise in there, so it gets the plain-str copy.
-            recv_req.session_id = check_session_id(recv_req.session_id)
+            recv_req.session_id = check_session_id(_plain_or_none(recv_req.session_id))
             return orig(self, recv_req)
         except Exception as e:  # noqa: BLE001 - never into the scheduler loop
             # Bad id: nothing was released; tell the operator, keep serving.
@@ -187,6 +205,11 @@ def _wrap_add_request(orig):
             ensure = getattr(self.tree_cache, "ensure_session_generation", None)
             if ensure is not None:
                 try:
+                    # From here on every reader (ours and SGLang's) sees a
+                    # plain str; a non-string id is refused below.
+                    plain = _plain_or_none(req.session_id)
+                    if plain is not None:
+                        req.session_id = plain
                     ensure(req)
                 except Exception as e:  # noqa: BLE001 - never into the scheduler loop
                     req.set_finish_with_abort(f"Invalid request: {_session_error(e)}")
