@@ -47,6 +47,9 @@ CLOSED_SESSION_TOMBSTONE_CHARS = 1 << 22
 #: Open sessions kept at most; beyond, the least recently active idle one is
 #: released (sessions abandoned without a TTL cannot grow state forever).
 MAX_OPEN_SESSIONS = 1 << 16
+#: Open session ids hold at most this many characters in total (same room-
+#: making rule), so long ids cannot multiply the bound above.
+MAX_OPEN_SESSION_CHARS = 1 << 24
 #: Streaming session ids remembered at most (oldest forgotten first).
 STREAMING_ID_LIMIT = 1 << 16
 #: Attribute stamped on a ``Req`` when it arrives for an open session.
@@ -131,6 +134,7 @@ class UnifiedSessionRefTracker:
     tombstone_limit: int = CLOSED_SESSION_TOMBSTONE_LIMIT
     tombstone_chars: int = CLOSED_SESSION_TOMBSTONE_CHARS
     max_open_sessions: int = MAX_OPEN_SESSIONS
+    max_open_chars: int = MAX_OPEN_SESSION_CHARS
     streaming_limit: int = STREAMING_ID_LIMIT
     # open session id -> generation of its current incarnation
     generations: dict = dataclasses.field(default_factory=dict)
@@ -163,6 +167,7 @@ class UnifiedSessionRefTracker:
     referenced_evicted_tokens: dict = dataclasses.field(default_factory=dict)
     expiry_log: ExpiryLog = dataclasses.field(default_factory=ExpiryLog)
     _tombstone_chars_used: int = 0
+    _open_chars_used: int = 0
 
     def __post_init__(self):
         self.ttl = normalize_ttl(self.ttl)
@@ -172,6 +177,7 @@ class UnifiedSessionRefTracker:
     def reset(self) -> None:
         """Forget everything (the tree it described is gone)."""
         self.generations.clear()
+        self._open_chars_used = 0
         self.idle.clear()
         self.recency.clear()
         self.epochs.clear()
@@ -228,10 +234,11 @@ class UnifiedSessionRefTracker:
             self.idle.touch(sid)
             self._touch(sid)
             return gen
-        self._make_room()
+        self._make_room(len(sid))
         self._forget_tombstone(sid)
         gen = next(self._next_generation)
         self.generations[sid] = gen
+        self._open_chars_used += len(sid)
         self.idle.add(sid)
         self.recency[sid] = None
         self.epochs[sid] = gen
@@ -239,20 +246,21 @@ class UnifiedSessionRefTracker:
         logger.debug("session %s opened (generation %d)", describe_id(sid), gen)
         return gen
 
-    def _make_room(self) -> None:
-        # Release the least recently active idle session (deterministic: the
-        # order comes from scheduler events only).
-        if len(self.generations) < self.max_open_sessions:
-            return
-        for victim in self.recency:
-            if self.idle.inflight(victim) == 0:
-                break
-        else:
-            return  # every open session is busy: they are bounded by the running requests
-        self._drop(victim)
-        self.counters.evicted_open += 1
-        logger.debug("session %s released to stay within %d open sessions",
-                     describe_id(victim), self.max_open_sessions)
+    def _make_room(self, new_chars: int) -> None:
+        # Release the least recently active idle sessions (deterministic: the
+        # order comes from scheduler events only).  Busy sessions are skipped:
+        # they are bounded by the requests the scheduler holds.
+        while self.generations and (
+            len(self.generations) >= self.max_open_sessions
+            or self._open_chars_used + new_chars > self.max_open_chars
+        ):
+            victim = next((s for s in self.recency if self.idle.inflight(s) == 0), None)
+            if victim is None:
+                return
+            self._drop(victim)
+            self.counters.evicted_open += 1
+            logger.debug("session %s released to stay within the open-session bound",
+                         describe_id(victim))
 
     def ensure_session_generation(self, req_or_session_id: Any) -> Optional[int]:
         """The current generation of a session, opening it implicitly if needed.
@@ -377,6 +385,7 @@ class UnifiedSessionRefTracker:
     def _drop(self, sid: str) -> int:
         """Release an open session (close, expiry, room) and tombstone its id."""
         del self.generations[sid]
+        self._open_chars_used -= len(sid)
         self.idle.remove(sid)
         self.recency.pop(sid, None)
         self.epochs.pop(sid, None)
@@ -499,6 +508,7 @@ __all__ = [
     "CLOSED_SESSION_TOMBSTONE_CHARS",
     "CLOSED_SESSION_TOMBSTONE_LIMIT",
     "MAX_OPEN_SESSIONS",
+    "MAX_OPEN_SESSION_CHARS",
     "REQ_INFLIGHT_ATTR",
     "STREAMING_ID_LIMIT",
     "describe_id",

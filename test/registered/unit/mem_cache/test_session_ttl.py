@@ -537,3 +537,60 @@ def test_scheduler_open_session_timeout_reaches_the_tracker():
     assert "t" not in sched.session_controller
     assert tracker.counters.expired == 1 and tracker.counters.closed == 0
     h.cache.validate_session_state()
+
+
+# ---- memory bounds (issue 12) -------------------------------------------------------------
+
+
+def test_abandoned_sessions_without_ttl_are_bounded():
+    h = make_full_cache(enable_session=True)
+    tracker = h.cache.session_ref_tracker
+    tracker.max_open_sessions = 8
+    busy = arrive(h, prompt(0), "busy")  # in flight: never the one released
+    for i in range(20):
+        h.run_request(prompt(100 + 50 * (i % 3), 8), session_id=f"a{i}")
+    assert len(tracker.generations) == 8
+    assert "busy" in tracker.generations
+    # The least recently active idle sessions went first, as if closed.
+    assert tracker.open_sessions() == ["busy"] + [f"a{i}" for i in range(13, 20)]
+    assert tracker.counters.evicted_open == 13
+    assert "a0" in tracker.closed
+    run(h, busy)
+    h.cache.validate_session_state()
+    h.check()
+
+
+def test_tombstones_are_bounded_in_characters():
+    h = make_full_cache(enable_session=True)
+    tracker = h.cache.session_ref_tracker
+    tracker.tombstone_chars = 10_000
+    for i in range(50):
+        tracker.release_radix_session(f"{i:04d}" + "x" * 996)  # 1000-char ids
+    assert len(tracker.closed) == 10
+    assert tracker._tombstone_chars_used == 10_000
+    assert next(iter(tracker.closed)).startswith("0040")
+    tracker.open_radix_session("0049" + "x" * 996)  # reopening forgets the tombstone
+    assert tracker._tombstone_chars_used == 9_000
+
+
+def test_streaming_ids_are_bounded():
+    h = make_full_cache(enable_session=True)
+    tracker = h.cache.session_ref_tracker
+    tracker.streaming_limit = 5
+    for i in range(12):
+        tracker.open_radix_session(f"st{i}", streaming=True)
+    assert list(tracker.streaming) == [f"st{i}" for i in range(7, 12)]
+    tracker.release_radix_session("st11")  # close forgets it
+    assert "st11" not in tracker.streaming
+
+
+def test_open_sessions_are_bounded_in_characters():
+    h = make_full_cache(enable_session=True)
+    tracker = h.cache.session_ref_tracker
+    tracker.max_open_chars = 5_000
+    for i in range(12):
+        tracker.open_radix_session(f"{i:03d}" + "y" * 997)
+    assert len(tracker.generations) == 5
+    assert tracker._open_chars_used == 5_000
+    assert tracker.counters.evicted_open == 7
+    tracker.validate_session_state()
