@@ -198,6 +198,16 @@ PATCHES: tuple[Patch, ...] = (
         "count evictions of referenced data.",
     ),
     Patch(
+        name="disagg_prefill.failed_transfer_no_ref",
+        module="sglang.srt.disaggregation.prefill",
+        targets=("SchedulerDisaggregationPrefillMixin.handle_inflight_transfer_failure",
+                 "SchedulerDisaggregationPrefillMixin.handle_bootstrap_failure"),
+        apply="sglang_session_cache.patches.disagg_abort:apply_prefill",
+        why="SGLang releases a failed PD prefill request's KV before marking it "
+        "aborted; the request is marked first so its finish registers no "
+        "session reference.",
+    ),
+    Patch(
         name="request_receiver.session_clock_tick",
         module="sglang.srt.managers.scheduler_components.request_receiver",
         targets=("SchedulerRequestReceiver._broadcast_reqs_across_ranks",),

@@ -60,6 +60,9 @@ REQ_INFLIGHT_ATTR = "session_ref_inflight"
 #: share one counter, advanced only by scheduler-ordered events, so every
 #: TP/PP rank computes the same numbers (no clock involved).
 REQ_ARRIVAL_ATTR = "session_ref_arrival"
+#: Set on a ``Req`` whose KV is released on a failure path before SGLang marks
+#: it aborted (PD transfer/bootstrap failures): it registers nothing.
+REQ_ABORTING_ATTR = "session_ref_aborting"
 
 
 class SessionRefError(ValueError):
@@ -92,6 +95,8 @@ def check_session_id(session_id: Any) -> str:
 
 
 def _is_aborted(req: Req) -> bool:
+    if getattr(req, REQ_ABORTING_ATTR, False):
+        return True
     reason = getattr(req, "finished_reason", None)
     return reason is not None and type(reason).__name__ == "FINISH_ABORT"
 
@@ -509,6 +514,7 @@ __all__ = [
     "CLOSED_SESSION_TOMBSTONE_LIMIT",
     "MAX_OPEN_SESSIONS",
     "MAX_OPEN_SESSION_CHARS",
+    "REQ_ABORTING_ATTR",
     "REQ_INFLIGHT_ATTR",
     "STREAMING_ID_LIMIT",
     "describe_id",
