@@ -2,26 +2,19 @@
 
 Agents that never call ``/close_session`` would otherwise keep their KV in the
 referenced partition for the life of the server.  With
-``--session-radix-cache-ttl SECONDS`` a session whose last activity is older
-than the TTL is released exactly as if it had been closed: its references are
-dropped (the KV stays cached as ordinary LRU data), its id is tombstoned so
-late finishes register nothing, and a new request with that id reopens it with
-a new generation.
+``--session-radix-cache-ttl SECONDS`` a session with no request in flight and
+no arrival or finish for the TTL is released exactly as if it had been closed:
+its references are dropped (the KV stays cached as ordinary LRU data), its id
+is tombstoned so late finishes register nothing, and a new request with that
+id reopens it with a new generation.
 
-Activity (see ``UnifiedSessionRefTracker``): opening the session, a request of
-the session *arriving* at the scheduler, and a finished request *registering*
-its reference.  Arrivals count so that a session whose requests run longer
-than the TTL between finishes is not released under a running turn.
-
-Expiry is amortized: open sessions sit in an ``OrderedDict`` ordered by last
-activity (``move_to_end`` on activity), and every touch of the tracker pops
-the expired ones from the front - O(1) when nothing expires.  The tracker is
-touched on open, arrival, finish, before every eviction (so expired sessions
-are unreferenced before victims are chosen) and when metrics are read.
+Time is a shared clock delivered in scheduler order (``session_idle.py``,
+``patches/session_clock.py``), identical on every TP/PP rank; nothing here or
+in the tracker reads a rank's own clock, and metrics reads change nothing.
 
 This module holds the option plumbing (CLI flag, ``ServerArgs`` attribute,
 validation) and the aggregated expiry log; the expiry itself lives in
-``session_tracker.py``.
+``session_tracker.py`` / ``session_idle.py``.
 """
 
 from __future__ import annotations
@@ -43,7 +36,8 @@ TTL_FLAG = "--session-radix-cache-ttl"
 TTL_HELP = (
     "Seconds of inactivity after which a session's KV references are released "
     "as if /close_session had been called (the KV stays cached as ordinary LRU "
-    "data). Activity is a request of the session arriving or finishing. "
+    "data). A session is idle only with no request in flight; its idle time "
+    "starts when its last request ends. "
     "Default: off (sessions stay referenced until closed). 0 also turns it off. "
     "Needs --enable-session-radix-cache."
 )
