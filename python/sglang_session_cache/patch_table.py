@@ -106,11 +106,14 @@ PATCHES: tuple[Patch, ...] = (
         name="scheduler.session_forwarding",
         module="sglang.srt.managers.scheduler",
         targets=("Scheduler.open_session", "Scheduler.close_session",
-                 "Scheduler._add_request_to_queue"),
+                 "Scheduler._add_request_to_queue", "Scheduler.abort_request",
+                 "Scheduler._abort_on_queued_limit"),
         apply="sglang_session_cache.patches.server_wiring:apply_scheduler",
         why="open/close forward to the cache; top-level session_id requests get "
-        "their session generation on arrival; bad ids are logged or aborted "
-        "instead of crashing the scheduler.",
+        "their session generation on arrival and count as in flight until "
+        "they finish or leave the queue (refused, aborted while queued, "
+        "preempted by the queue limit); bad ids are logged or aborted instead "
+        "of crashing the scheduler.",
     ),
     Patch(
         name="tokenizer_manager.session_id_rule",

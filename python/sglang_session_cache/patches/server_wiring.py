@@ -213,9 +213,67 @@ def _wrap_add_request(orig):
                     ensure(req)
                 except Exception as e:  # noqa: BLE001 - never into the scheduler loop
                     req.set_finish_with_abort(f"Invalid request: {_session_error(e)}")
+            out = orig(self, req, is_retracted=is_retracted)
+            # Refused before queueing (priority check, queue limit): it ends
+            # here, so it must not keep its session busy.  O(1): an admitted
+            # request is the last one queued.
+            if getattr(self, "disaggregation_mode", None) == _null_mode():
+                queue = self.waiting_queue
+                if not queue or queue[-1] is not req:
+                    _request_left(self, req)
+            return out
         return orig(self, req, is_retracted=is_retracted)
 
     return _add_request_to_queue
+
+
+def _null_mode():
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    return DisaggregationMode.NULL
+
+
+def _request_left(sched, req) -> None:
+    tracker = getattr(sched.tree_cache, "session_ref_tracker", None)
+    if tracker is not None:
+        from sglang_session_cache.patches.unified_cache import guarded
+
+        guarded(tracker.request_finished, req)
+
+
+def _queued_left(sched, orig, *args):
+    """Run ``orig``; requests it took out of the waiting queue without a
+    finish (aborted before they started) stop keeping their session busy."""
+    before = list(sched.waiting_queue)
+    out = orig(sched, *args)
+    after = {id(r) for r in sched.waiting_queue}
+    for req in before:
+        if id(req) not in after:
+            _request_left(sched, req)
+    return out
+
+
+def _wrap_abort_request(orig):
+    def abort_request(self, recv_req):
+        if not self.server_args.enable_session_radix_cache or not self.waiting_queue:
+            return orig(self, recv_req)
+        return _queued_left(self, orig, recv_req)
+
+    return abort_request
+
+
+def _wrap_abort_on_queued_limit(orig):
+    def _abort_on_queued_limit(self, recv_req):
+        if (
+            not self.server_args.enable_session_radix_cache
+            or self.max_queued_requests is None
+            or len(self.waiting_queue) + 1 <= self.max_queued_requests
+        ):
+            return orig(self, recv_req)
+        # Queue full (rare): a queued request may be preempted.
+        return _queued_left(self, orig, recv_req)
+
+    return _abort_on_queued_limit
 
 
 def apply_scheduler(module) -> None:
@@ -223,6 +281,8 @@ def apply_scheduler(module) -> None:
     wrap_method(cls, "open_session", _wrap_open_session)
     wrap_method(cls, "close_session", _wrap_close_session)
     wrap_method(cls, "_add_request_to_queue", _wrap_add_request)
+    wrap_method(cls, "abort_request", _wrap_abort_request)
+    wrap_method(cls, "_abort_on_queued_limit", _wrap_abort_on_queued_limit)
 
 
 # ---- scheduler stats: session metrics in the log line and Prometheus -----------

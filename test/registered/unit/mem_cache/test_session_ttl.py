@@ -594,3 +594,65 @@ def test_open_sessions_are_bounded_in_characters():
     assert tracker._open_chars_used == 5_000
     assert tracker.counters.evicted_open == 7
     tracker.validate_session_state()
+
+
+# ---- requests that leave the queue without a finish ---------------------------------------
+
+
+def _queue_scheduler(h):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT  # noqa: F401
+
+    sched = make_scheduler(h.cache)
+    sent = []
+    sched.ipc_channels = SimpleNamespace(
+        send_to_tokenizer=SimpleNamespace(send_output=lambda out, req: sent.append(out))
+    )
+    sched.chunked_req = None
+    sched.dllm_config = None
+    sched.grammar_manager = SimpleNamespace(abort_requests=lambda r: None)
+    sched.ps = SimpleNamespace(pp_rank=0, tp_rank=0, attn_cp_rank=0, pp_size=1)
+    sched.running_batch = None
+    sched.last_batch = None
+    sched.enable_hierarchical_cache = False
+    sched._prefetch_kvcache = lambda req: None
+    return sched, sent
+
+
+def test_request_aborted_while_queued_stops_keeping_its_session_busy():
+    from sglang.srt.managers.io_struct import AbortReq
+
+    h = make_full_cache(enable_session=True)
+    tracker, clock = with_ttl(h)
+    sched, sent = _queue_scheduler(h)
+    req = h.new_req(prompt(0), session_id="s", rid="gone-1")
+    other = h.new_req(prompt(300), session_id="t", rid="kept-1")
+    sched._add_request_to_queue(req)
+    sched._add_request_to_queue(other)
+    assert tracker.idle.inflight("s") == 1
+    sched.abort_request(AbortReq(rid="gone-1"))  # popped from the queue, never ran
+    assert [r.rid for r in sched.waiting_queue] == ["kept-1"]
+    assert tracker.idle.inflight("s") == 0 and tracker.idle.inflight("t") == 1
+    assert clock.advance(TTL) == 1  # "s" idle from the abort; "t" still queued
+    assert tracker.open_sessions() == ["t"]
+
+
+def test_request_refused_or_preempted_by_the_queue_limit():
+    h = make_full_cache(enable_session=True)
+    tracker, clock = with_ttl(h)
+    sched, sent = _queue_scheduler(h)
+    sched.max_queued_requests = 1
+    sched.enable_priority_scheduling = True
+    sched.schedule_low_priority_values_first = True
+    sched.enable_hicache_storage = False
+    low = h.new_req(prompt(0), session_id="low", priority=9)
+    sched._add_request_to_queue(low)
+    high = h.new_req(prompt(300), session_id="high", priority=1)
+    sched._add_request_to_queue(high)  # preempts "low" from the full queue
+    assert sched.waiting_queue == [high]
+    assert tracker.idle.inflight("low") == 0 and tracker.idle.inflight("high") == 1
+    worse = h.new_req(prompt(600), session_id="worse", priority=20)
+    sched._add_request_to_queue(worse)  # refused: the queue is full
+    assert sched.waiting_queue == [high]
+    assert tracker.idle.inflight("worse") == 0
+    assert clock.advance(TTL) == 2  # "low" and "worse"; "high" is queued
+    assert tracker.open_sessions() == ["high"]
