@@ -78,7 +78,8 @@ def test_hostile_object_id_is_refused_without_raising(h, monkeypatch):
     req = h.new_req(prompt(0), session_id=HostileObject())
     sched._add_request_to_queue(req)  # no exception
     assert type(req.to_finish).__name__ == "FINISH_ABORT"
-    assert "session_id must be a non-empty string" in req.to_finish.message
+    assert "Invalid session_id" in req.to_finish.message
+    assert "HostileObject" in req.to_finish.message
     sched.waiting_queue.clear()
 
     open_req = OpenSessionReqInput(capacity_of_str_len=64, session_id=HostileObject())

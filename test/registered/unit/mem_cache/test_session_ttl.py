@@ -563,14 +563,14 @@ def test_abandoned_sessions_without_ttl_are_bounded():
 def test_tombstones_are_bounded_in_characters():
     h = make_full_cache(enable_session=True)
     tracker = h.cache.session_ref_tracker
-    tracker.tombstone_chars = 10_000
+    tracker.tombstone_chars = 2_500
     for i in range(50):
-        tracker.release_radix_session(f"{i:04d}" + "x" * 996)  # 1000-char ids
+        tracker.release_radix_session(f"{i:04d}" + "x" * 246)  # 250-char ids
     assert len(tracker.closed) == 10
-    assert tracker._tombstone_chars_used == 10_000
+    assert tracker._tombstone_chars_used == 2_500
     assert next(iter(tracker.closed)).startswith("0040")
-    tracker.open_radix_session("0049" + "x" * 996)  # reopening forgets the tombstone
-    assert tracker._tombstone_chars_used == 9_000
+    tracker.open_radix_session("0049" + "x" * 246)  # reopening forgets the tombstone
+    assert tracker._tombstone_chars_used == 2_250
 
 
 def test_streaming_ids_are_bounded():
@@ -587,11 +587,11 @@ def test_streaming_ids_are_bounded():
 def test_open_sessions_are_bounded_in_characters():
     h = make_full_cache(enable_session=True)
     tracker = h.cache.session_ref_tracker
-    tracker.max_open_chars = 5_000
+    tracker.max_open_chars = 1_250
     for i in range(12):
-        tracker.open_radix_session(f"{i:03d}" + "y" * 997)
+        tracker.open_radix_session(f"{i:03d}" + "y" * 247)
     assert len(tracker.generations) == 5
-    assert tracker._open_chars_used == 5_000
+    assert tracker._open_chars_used == 1_250
     assert tracker.counters.evicted_open == 7
     tracker.validate_session_state()
 
