@@ -75,6 +75,9 @@ class ComponentSessionRefs(ABC):
     #: node costs no extra memory hop where ``component_data[0]`` costs two.
     mirror_on_node = False
     notify_ref_change = True
+    #: Whether handing a deleted leaf's reference to its parent changes no
+    #: count but the leaf's own (FULL: the parent's path is the same path).
+    parent_handover_free = False
 
     def __init__(
         self,
@@ -260,6 +263,7 @@ class ComponentSessionRefs(ABC):
         else:
             target = self._nearest_reusable_ancestor(node)
         cd.session_leaf_of = None
+        handover_free = self.parent_handover_free
         for sid in sids:
             idx = self.leaves[sid]
             turn = idx.pop(node)
@@ -272,7 +276,8 @@ class ComponentSessionRefs(ABC):
                 if tcd.session_leaf_of is None:
                     tcd.session_leaf_of = set()
                 tcd.session_leaf_of.add(sid)
-            self._move_cover(sid, node, target if fresh else None, node_deleted)
+            if not (handover_free and node_deleted and target is parent):
+                self._move_cover(sid, node, target if fresh else None, node_deleted)
             if not idx:
                 del self.leaves[sid]
         if node_deleted:
@@ -413,6 +418,7 @@ class FullSessionRefs(ComponentSessionRefs):
 
     mirror_on_node = True
     notify_ref_change = False
+    parent_handover_free = True
 
     def covered(self, leaf):
         root = self.cache.root_node
@@ -597,6 +603,33 @@ class SWASessionRefs(ComponentSessionRefs):
     def _clear_node(self, node):
         node.component_data[self.ct].session_below = None
         super()._clear_node(node)
+
+    def _move_cover(self, sid, node, target, node_deleted):
+        if target is None or not node_deleted or target is not node.parent:
+            return super()._move_cover(sid, node, target, node_deleted)
+        # A deleted leaf handing over to its parent (the eviction case), in
+        # one walk: nodes the old window reached only move to a nearer
+        # distance (no count change); nodes newly in reach gain a reference.
+        root = self.cache.root_node
+        window = self.window
+        shift = len(node.key)
+        ct = self.ct
+        acc = 0
+        cur = target
+        while cur is not None and cur is not root and acc < window:
+            old = acc + shift
+            if old < window:
+                hist = cur.component_data[ct].session_below
+                c = hist[old]
+                if c == 1:
+                    del hist[old]
+                else:
+                    hist[old] = c - 1
+                hist[acc] = hist.get(acc, 0) + 1
+            else:
+                self._at(cur, acc, 1)
+            acc += len(cur.key)
+            cur = cur.parent
 
     def on_split(self, new_parent, child):
         hist = child.component_data[self.ct].session_below

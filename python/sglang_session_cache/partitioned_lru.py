@@ -47,6 +47,9 @@ class PartitionedLRUList(UnifiedLRUList):
         self.cursor = _make_sentinel(tree_components)
         self._add_node_after(self.head, self.mid)
         self._clock = 0  # recency stamps: larger = more recent
+        # Partition moves so far: an eviction walk that saw this change knows
+        # its precomputed next candidate may have moved.
+        self.moves = 0
 
     def is_referenced(self, node: UnifiedTreeNode) -> bool:
         return node.component_data[self.component_type].session_ref > 0
@@ -127,6 +130,7 @@ class PartitionedLRUList(UnifiedLRUList):
         KV).  No-op when the node is not listed."""
         if node.id not in self.cache:
             return
+        self.moves += 1
         self._remove_node(node)
         self._insert_by_stamp(node, node.lru_stamp[self._pt])
 

@@ -82,14 +82,19 @@ class SessionAwareFullComponent(FullComponent):
         )
 
 
-def cascade_blocked(cache, node, trigger) -> bool:
-    """Would evicting ``trigger``'s data on ``node`` drop a referenced
-    component whose own (internal) priority is at least the trigger's, while
-    the trigger's data itself is unreferenced?"""
+def cascade_blocked(cache, node, trigger, host: bool = False) -> bool:
+    """Would evicting ``trigger``'s data on ``node`` (its host copy with
+    ``host``) drop a referenced component whose own (internal) priority is at
+    least the trigger's, while the trigger's data itself is unreferenced?"""
     ct = trigger.component_type
     if node.component_data[ct].session_ref > 0:
         return False
-    is_leaf = node in cache.evictable_device_leaves
+    if host:
+        is_leaf = node in cache.evictable_host_leaves
+        layer = EvictLayer.HOST
+    else:
+        is_leaf = node in cache.evictable_device_leaves
+        layer = EvictLayer.DEVICE
     trigger_internal = trigger.eviction_priority(is_leaf=False)
     trigger_now = trigger.eviction_priority(is_leaf)
     for comp in cache._components_tuple:
@@ -100,63 +105,83 @@ def cascade_blocked(cache, node, trigger) -> bool:
         if comp.eviction_priority(is_leaf=False) < trigger_internal:
             continue  # lower tier: cascading it is the normal rule
         cd = node.component_data[comp.component_type]
-        if cd.session_ref > 0 and comp.node_has_component_data(node):
+        if cd.session_ref > 0 and comp.node_has_component_data(node, layer):
             return True
     return False
 
 
 def _drive_lru_eviction(component, request: int, tracker: dict) -> None:
-    """Device eviction walk shared by the SWA and Mamba components."""
+    """Device eviction walk shared by the SWA and Mamba components.
+
+    Like SGLang's walk it takes the next candidate before evicting; when the
+    eviction unlinked it or moved any node between partitions (a reference
+    relocating to a parent), the walk restarts from the LRU end instead, so
+    it never resumes from a stale position."""
     cache = component.cache
     ct = component.component_type
     lru = cache.lru_lists[ct]
+    leaves = cache.evictable_device_leaves
     for protect in (True, False):
         if tracker[ct] >= request:
             return
         x = lru.get_lru_no_lock()
-        try:
-            while tracker[ct] < request and x is not None:
-                if (
-                    protect
-                    and not x.component_data[ct].session_ref
-                    and cascade_blocked(cache, x, component)
-                ):
-                    x = lru.get_prev_no_lock(x)
-                    continue
-                lru.park_cursor_before(x)
-                if x in cache.evictable_device_leaves:
-                    # D-leaf: atomic eviction of all components
-                    cache._evict_device_leaf(x, tracker)
-                else:
-                    # Internal: tombstone this component + cascade
-                    cache._evict_component_and_detach_lru(
-                        x, component, target=EvictLayer.DEVICE, tracker=tracker
-                    )
-                    cache._cascade_evict(x, component, tracker)
-                x = lru.next_from_cursor()
-        finally:
-            lru.detach_cursor()
+        while tracker[ct] < request and x is not None:
+            if (
+                protect
+                and not x.component_data[ct].session_ref
+                and cascade_blocked(cache, x, component)
+            ):
+                x = lru.get_prev_no_lock(x, check_id=False)
+                continue
+            x_next = lru.get_prev_no_lock(x, check_id=False)
+            moves = lru.moves
+            if x in leaves:
+                # D-leaf: atomic eviction of all components
+                cache._evict_device_leaf(x, tracker)
+            else:
+                # Internal: tombstone this component + cascade
+                cache._evict_component_and_detach_lru(
+                    x, component, target=EvictLayer.DEVICE, tracker=tracker
+                )
+                cache._cascade_evict(x, component, tracker)
+            if lru.moves != moves or (x_next is not None and x_next.id not in lru.cache):
+                x = lru.get_lru_no_lock()
+            else:
+                x = x_next
 
 
 def _drive_host_lru_eviction(component, num_tokens: int, tracker: dict) -> None:
-    """Host (HiCache) eviction walk shared by the SWA and Mamba components."""
+    """Host (HiCache) eviction walk shared by the SWA and Mamba components,
+    with the same two passes as the device walk: the first skips host copies
+    whose eviction would take a referenced component along (an H-leaf goes
+    whole, FULL host KV included)."""
     cache = component.cache
     ct = component.component_type
     host_lru = cache.host_lru_lists[ct]
-    x = host_lru.get_lru_no_host_lock()
-    try:
-        while tracker[ct] < num_tokens and x is not None:
-            host_lru.park_cursor_before(x)
-            if x in cache.evictable_host_leaves:
-                cache._evict_host_leaf(x, tracker)
-            else:
-                cache._evict_component_and_detach_lru(
-                    x, component, target=EvictLayer.HOST, tracker=tracker
-                )
-                cache._cascade_evict(x, component, tracker, target=EvictLayer.HOST)
-            x = host_lru.next_from_cursor(host=True)
-    finally:
-        host_lru.detach_cursor()
+    for protect in (True, False):
+        if tracker[ct] >= num_tokens:
+            return
+        x = host_lru.get_lru_no_host_lock()
+        try:
+            while tracker[ct] < num_tokens and x is not None:
+                if (
+                    protect
+                    and not x.component_data[ct].session_ref
+                    and cascade_blocked(cache, x, component, host=True)
+                ):
+                    x = host_lru.get_prev_no_host_lock(x, check_id=False)
+                    continue
+                host_lru.park_cursor_before(x)
+                if x in cache.evictable_host_leaves:
+                    cache._evict_host_leaf(x, tracker)
+                else:
+                    cache._evict_component_and_detach_lru(
+                        x, component, target=EvictLayer.HOST, tracker=tracker
+                    )
+                    cache._cascade_evict(x, component, tracker, target=EvictLayer.HOST)
+                x = host_lru.next_from_cursor(host=True)
+        finally:
+            host_lru.detach_cursor()
 
 
 class SessionAwareSWAComponent(SWAComponent):

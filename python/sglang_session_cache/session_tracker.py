@@ -468,14 +468,29 @@ class UnifiedSessionRefTracker:
             refs.on_split(new_parent, child)
 
     def on_node_deleted(self, node) -> None:
+        cds = node.component_data
         for refs in self.components.values():
-            refs.discard_deleted_session_leaf(node)
+            if cds[refs.ct].session_leaf_of:  # only session leaves move
+                refs.discard_deleted_session_leaf(node)
 
     def on_device_evict(self, node, ct) -> None:
         """A component's device data on ``node`` is being freed."""
+        self.on_component_evict(node, ct, device=True)
+
+    def on_component_evict(self, node, ct, device: bool) -> None:
+        """One layer (device, or host with ``device=False``) of a relocating
+        component's data on ``node`` is being freed in place.  The reference
+        stays while the other layer still holds the state (a leaf demoted to
+        host memory keeps its Mamba reference and can be loaded back); it
+        moves to the nearest ancestor with a state once neither does."""
         refs = self.components.get(ct)
-        if refs is not None and refs.relocate_on_device_evict:
-            refs.discard_deleted_session_leaf(node, node_deleted=False)
+        if refs is None or not refs.relocate_on_device_evict:
+            return
+        cd = node.component_data[ct]
+        evicted, other = (cd.value, cd.host_value) if device else (cd.host_value, cd.value)
+        if evicted is None or other is not None:
+            return
+        refs.discard_deleted_session_leaf(node, node_deleted=False)
 
     # ---- introspection ----
 

@@ -193,21 +193,23 @@ def _wrap_remove_leaf(orig):
 def _wrap_evict_component(orig):
     from sglang.srt.mem_cache.unified_cache_components import EvictLayer
 
-    device = EvictLayer.DEVICE
+    device, host = int(EvictLayer.DEVICE), int(EvictLayer.HOST)
 
-    def _evict_component_and_detach_lru(self, node, comp, target=device, tracker=None):
+    def _evict_component_and_detach_lru(self, node, comp, target=EvictLayer.DEVICE, tracker=None):
         refs = self.session_ref_tracker
+        if refs is None:
+            return orig(self, node, comp, target=target, tracker=tracker)
+        cd = node.component_data[comp.component_type]
         # Soft-protection breach: referenced data may be about to go.  Read
         # before the relocation below moves a Mamba reference off the node;
         # counted below only if device data was actually freed.
-        breach = refs is not None and node.component_data[comp.component_type].session_ref
-        if (
-            refs is not None
-            and comp in refs.relocating_components
-            and target & device
-            and comp.node_has_component_data(node)
-        ):
-            refs.on_device_evict(node, comp.component_type)
+        breach = cd.session_ref
+        if cd.session_leaf_of is not None and comp in refs.relocating_components:
+            # One layer of a session leaf's state goes in place (both layers
+            # at once means the node is deleted next, which relocates then).
+            layer = int(target)
+            if layer == device or layer == host:
+                refs.on_component_evict(node, comp.component_type, layer == device)
         if breach:
             freed = orig(self, node, comp, target=target, tracker=tracker)
             if freed[0]:  # device data went (inlined: this is the eviction path)

@@ -11,7 +11,7 @@ def test_eviction_cost_benchmark_smoke(capsys, tmp_path):
     assert "worst cell on/off" in text
     rows = __import__("json").loads(out.read_text())
     assert {(r["component"], r["referenced_fraction"]) for r in rows} == {
-        (c, f) for c in ("full", "swa") for f in (0.0, 0.5, 1.0)
+        (c, f) for c in ("full", "swa", "mamba") for f in (0.0, 0.5, 1.0)
     }
     for r in rows:
         assert r["off_us"] > 0 and r["on_us"] > 0 and r["pairs"] > 0
