@@ -136,10 +136,14 @@ def tokenizer_manager():
     eng.Engine._launch_subprocesses(server_args, None, None, None)
 
 
-def plain():
-    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+def loader():
+    # Plain code calling SGLang's loader itself, then importing a patched module.
+    from sglang.srt.plugins import load_plugins
 
-    _STATE.update(state(), marker=getattr(UnifiedRadixCache, "__sglang_session_cache__", None))
+    load_plugins()
+    import sglang.srt.server_args  # noqa: F401
+
+    _STATE.update(state())
 
 
 def _spawn_child(queue):
@@ -148,19 +152,23 @@ def _spawn_child(queue):
     queue.put({**state(), "marker": getattr(UnifiedRadixCache, "__sglang_session_cache__", None)})
 
 
-def spawn():
+def user():
+    """Plain user code (no Engine, no CLI) and a multiprocessing spawn child."""
     import multiprocessing as mp
 
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    _STATE.update(state(), marker=getattr(UnifiedRadixCache, "__sglang_session_cache__", None))
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_spawn_child, args=(queue,))
     proc.start()
-    _STATE.update(queue.get(timeout=300))
+    _STATE["spawn_child"] = queue.get(timeout=600)
     proc.join(60)
 
 
 KINDS = {f.__name__: f for f in (cli, engine, scheduler, detokenizer, dp_controller,
-                                 tokenizer_manager, plain, spawn)}
+                                 tokenizer_manager, loader, user)}
 
 if __name__ == "__main__":
     try:
