@@ -99,6 +99,10 @@ class SessionDPRouter:
         from sglang.srt.managers.io_struct import sock_send
 
         sock_send(self.controller.workers[rank], req)
+        try:
+            self._report(self.clock())
+        except Exception:  # metrics/logging must not affect routing
+            self._log_failure("metrics")
 
     def _route(self, sid: str, req) -> int:
         ctrl = self.controller
@@ -117,7 +121,6 @@ class SessionDPRouter:
         # Same speculative increment as DPBudget.dispatch, until the next snapshot.
         budget.total_requests[rank] += 1
         budget.total_tokens[rank] += tokens
-        self._report(now)
         return rank
 
     # ---- session end -------------------------------------------------------------
