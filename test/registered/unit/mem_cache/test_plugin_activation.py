@@ -10,8 +10,9 @@ package through its installed entry point.
 
 ``SGLANG_SESSION_CACHE_AUTOLOAD=0`` switches the ``.pth`` import hook off, so
 these runs show what SGLang's loader reaches on its own; the default runs show
-what the ``.pth`` hook adds (plain user code and its spawn children, which no
-SGLang loader reaches). See README "How activation works".
+what the ``.pth`` hook adds (the DP controller process, plain user code and its
+spawn children, which no SGLang loader reaches). See README "How activation
+works".
 """
 
 import json
@@ -40,6 +41,7 @@ RUNS = {
     "tokenizer_manager": ("tokenizer_manager", PLUGIN_ONLY),
     "detokenizer": ("detokenizer", PLUGIN_ONLY),
     "dp_controller": ("dp_controller", PLUGIN_ONLY),
+    "dp_controller_default": ("dp_controller", {}),
     # user code (and its spawn child) without / with the .pth hook
     "user_plugin_only": ("user", PLUGIN_ONLY),
     "user_default": ("user", {}),
@@ -126,7 +128,7 @@ def test_scheduler_process(probes):
     assert state["sglang_loaded_plugins"]
     assert_fully_patched(state)
     for name in ("scheduler.session_forwarding", "common.admission_shortfall_eviction",
-                 "registry.no_effect_guard"):
+                 "registry.unified_tree_required"):
         assert name in state["applied"]
     # The cache module itself is imported later: the hook patches it then.
     assert "unified_radix_cache.session_refs" not in state["expected"]
@@ -142,16 +144,29 @@ def test_tokenizer_manager_main_process(probes):
     assert f"Loaded plugin {PLUGIN_NAME} from group sglang.srt.plugins" in output
 
 
-# ---- processes it does not reach: they hold no cache and need no patch ----------------------
+# ---- processes it does not reach -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["detokenizer", "dp_controller"])
-def test_processes_without_a_cache_are_not_reached(probes, name):
-    state, _ = run(probes, name)
+def test_detokenizer_is_not_reached_and_needs_nothing(probes):
+    state, _ = run(probes, "detokenizer")
     assert not state["sglang_loaded_plugins"]
     assert state["applied"] == []
-    # No tree cache lives here (the DP controller's schedulers load plugins themselves).
-    assert not any(n.startswith("unified_radix_cache.") for n in state["expected"])
+    # No tree cache and no patched code path lives here.
+    assert not any(n.startswith(("unified_radix_cache.", "data_parallel_controller."))
+                   for n in state["expected"])
+
+
+def test_dp_controller_needs_the_pth_hook(probes):
+    # SGLang's loader never runs in the DP controller process ...
+    state, _ = run(probes, "dp_controller")
+    assert not state["sglang_loaded_plugins"]
+    assert state["applied"] == []
+    assert "data_parallel_controller.session_affinity" in state["expected"]
+    # ... but the session-affinity router is patched there: only the .pth hook does it.
+    state, _ = run(probes, "dp_controller_default")
+    assert not state["sglang_loaded_plugins"]
+    assert_fully_patched(state)
+    assert "data_parallel_controller.session_affinity" in state["applied"]
 
 
 # ---- user code: only the .pth hook reaches it -------------------------------------------------
