@@ -190,7 +190,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="unified_radix_cache.session_ttl_metrics",
         module="sglang.srt.mem_cache.unified_radix_cache",
-        targets=("UnifiedRadixCache.session_metrics (new)",
+        targets=("UnifiedRadixCache.evict",
+                 "UnifiedRadixCache.session_metrics (new)",
                  "UnifiedRadixCache.expire_idle_sessions (new)",
                  "UnifiedRadixCache.advance_session_clock (new)"),
         apply="sglang_session_cache.patches.unified_cache:apply_session_ttl_metrics",
@@ -198,7 +199,8 @@ PATCHES: tuple[Patch, ...] = (
         "scheduler order, identical on every rank); session_metrics() snapshot "
         "(a read never mutates). The session_refs wrappers read the TTL from "
         "get_server_args() at init, count requests in flight per session and "
-        "count evictions of referenced data.",
+        "count evictions of referenced data. evict() first enforces the "
+        "protection bound (protection_policy.py), one comparison per component.",
     ),
     Patch(
         name="disagg_prefill.failed_transfer_no_ref",
