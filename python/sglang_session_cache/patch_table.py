@@ -188,6 +188,19 @@ PATCHES: tuple[Patch, ...] = (
         "off) so it reaches the scheduler with the pickled ServerArgs.",
     ),
     Patch(
+        name="server_args.session_radix_cache_protection",
+        module="sglang.srt.server_args",
+        targets=("ServerArgs.add_cli_args", "ServerArgs.from_cli_args",
+                 "ServerArgs.__init__",
+                 "ServerArgs.session_radix_cache_max_protected_fraction (new)",
+                 "ServerArgs.session_radix_cache_protect_from_turn (new)"),
+        apply="sglang_session_cache.patches.server_wiring:apply_server_args_protection",
+        why="--session-radix-cache-max-protected-fraction F (bound on referenced "
+        "data per pool) and --session-radix-cache-protect-from-turn N (earned "
+        "protection), and their keywords: validated, stored on the ServerArgs "
+        "instance (default None = the documented default); read by the cache at init.",
+    ),
+    Patch(
         name="unified_radix_cache.session_ttl_metrics",
         module="sglang.srt.mem_cache.unified_radix_cache",
         targets=("UnifiedRadixCache.evict",
