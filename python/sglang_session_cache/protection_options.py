@@ -1,7 +1,7 @@
 """``ServerArgs`` plumbing for the protection policy options
 (``protection_policy.py``):
 
-* ``--session-radix-cache-max-protected-fraction F`` (``0 < F <= 1``, default 0.5)
+* ``--session-radix-cache-max-protected-fraction F`` (``0 < F <= 1``, default 0.9)
 * ``--session-radix-cache-protect-from-turn N`` (``N >= 1``, default 2)
 
 Both are CLI flags and ``ServerArgs(...)`` / ``sglang.Engine(...)`` keywords,

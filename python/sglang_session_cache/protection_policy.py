@@ -13,7 +13,7 @@ conversation (most of which never return):
   the first request (the behaviour before this option).
 
 * **A bound** (``--session-radix-cache-max-protected-fraction F``, default
-  0.5): for every component whose pool size is known, the referenced data
+  0.9): for every component whose pool size is known, the referenced data
   (FULL/SWA tokens, Mamba states; distinct nodes, counted incrementally by
   ``ComponentSessionRefs.ref_units``) may hold at most ``F`` of the pool.
   Past it, protection is **withdrawn** from the session whose last
@@ -47,7 +47,7 @@ FRACTION_FLAG = "--session-radix-cache-max-protected-fraction"
 FROM_TURN_FIELD = "session_radix_cache_protect_from_turn"
 FROM_TURN_FLAG = "--session-radix-cache-protect-from-turn"
 
-DEFAULT_MAX_PROTECTED_FRACTION = 0.5
+DEFAULT_MAX_PROTECTED_FRACTION = 0.9
 DEFAULT_PROTECT_FROM_TURN = 2
 
 
