@@ -95,6 +95,14 @@ class ComponentSessionRefs(ABC):
         # newest registration and of that request's arrival (0: unknown);
         # "registered before a request arrived" is decided on them.
         self.leaves: dict[str, dict] = {}
+        # Data under a reference, counted once per node (tokens; Mamba:
+        # states), kept on every 0 <-> non-zero flip so the protection bound
+        # (protection_policy.py) reads it in O(1).
+        self.ref_units = 0
+
+    def units(self, node: UnifiedTreeNode) -> int:
+        """What a referenced ``node`` counts toward ``ref_units``."""
+        return len(node.key)
 
     # ---- the rule each component defines ----
 
@@ -119,10 +127,15 @@ class ComponentSessionRefs(ABC):
 
     def _bump(self, node: UnifiedTreeNode, delta: int) -> None:
         cd = node.component_data[self.ct]
-        ref = cd.session_ref + delta
+        old = cd.session_ref
+        ref = old + delta
         cd.session_ref = ref
         if self.mirror_on_node:
             node.full_session_ref = ref
+        if ref == 0:
+            self.ref_units -= self.units(node)
+        elif old == 0:
+            self.ref_units += self.units(node)
         if ref == 0 or (ref == 1 and delta == 1):
             self._on_ref_change(node, self.ct)
 
@@ -130,6 +143,8 @@ class ComponentSessionRefs(ABC):
         """Drop a deleted node's counts wholesale (no partition move: it is
         already off every list)."""
         cd = node.component_data[self.ct]
+        if cd.session_ref:
+            self.ref_units -= self.units(node)
         cd.session_ref = 0
         if self.mirror_on_node:
             node.full_session_ref = 0
@@ -299,6 +314,15 @@ class ComponentSessionRefs(ABC):
             cur = cur.parent
         return None
 
+    def account_split(self, new_parent: UnifiedTreeNode, child: UnifiedTreeNode) -> None:
+        """After ``on_split``: ``ref_units`` for the upper part that moved from
+        ``child`` (still counted with it) to ``new_parent`` (counted only if
+        ``on_split`` gave it a reference, which it sets without ``_bump``)."""
+        if child.component_data[self.ct].session_ref:
+            self.ref_units -= self.units(new_parent)
+        if new_parent.component_data[self.ct].session_ref:
+            self.ref_units += self.units(new_parent)
+
     @abstractmethod
     def on_split(self, new_parent: UnifiedTreeNode, child: UnifiedTreeNode) -> None:
         """``child`` was split; ``new_parent`` holds its upper part (leaves
@@ -364,6 +388,13 @@ class ComponentSessionRefs(ABC):
                     f"[{name}] node {n.id} is covered by "
                     f"{sorted(coverage[n])} but is not in the tree"
                 )
+        units = sum(
+            self.units(n) for n in nodes if n.component_data[self.ct].session_ref
+        )
+        if units != self.ref_units:
+            raise SessionStateError(
+                f"[{name}] ref_units={self.ref_units} but referenced nodes hold {units}"
+            )
         for n in nodes:
             cd = n.component_data[self.ct]
             want = self._expected_ref(coverage.get(n, {}))
@@ -689,6 +720,12 @@ class MambaSessionRefs(ComponentSessionRefs):
 
     def covered(self, leaf):
         return [leaf]
+
+    def units(self, node):
+        return 1  # one state per referenced node
+
+    def account_split(self, new_parent, child):
+        return  # the child keeps its state; the new upper node has none
 
     def on_split(self, new_parent, child):
         # States live on leaves; the new upper node never holds a reference.

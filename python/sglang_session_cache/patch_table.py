@@ -188,9 +188,23 @@ PATCHES: tuple[Patch, ...] = (
         "off) so it reaches the scheduler with the pickled ServerArgs.",
     ),
     Patch(
+        name="server_args.session_radix_cache_protection",
+        module="sglang.srt.server_args",
+        targets=("ServerArgs.add_cli_args", "ServerArgs.from_cli_args",
+                 "ServerArgs.__init__",
+                 "ServerArgs.session_radix_cache_max_protected_fraction (new)",
+                 "ServerArgs.session_radix_cache_protect_from_turn (new)"),
+        apply="sglang_session_cache.patches.server_wiring:apply_server_args_protection",
+        why="--session-radix-cache-max-protected-fraction F (bound on referenced "
+        "data per pool) and --session-radix-cache-protect-from-turn N (earned "
+        "protection), and their keywords: validated, stored on the ServerArgs "
+        "instance (default None = the documented default); read by the cache at init.",
+    ),
+    Patch(
         name="unified_radix_cache.session_ttl_metrics",
         module="sglang.srt.mem_cache.unified_radix_cache",
-        targets=("UnifiedRadixCache.session_metrics (new)",
+        targets=("UnifiedRadixCache.evict",
+                 "UnifiedRadixCache.session_metrics (new)",
                  "UnifiedRadixCache.expire_idle_sessions (new)",
                  "UnifiedRadixCache.advance_session_clock (new)"),
         apply="sglang_session_cache.patches.unified_cache:apply_session_ttl_metrics",
@@ -198,7 +212,8 @@ PATCHES: tuple[Patch, ...] = (
         "scheduler order, identical on every rank); session_metrics() snapshot "
         "(a read never mutates). The session_refs wrappers read the TTL from "
         "get_server_args() at init, count requests in flight per session and "
-        "count evictions of referenced data.",
+        "count evictions of referenced data. evict() first enforces the "
+        "protection bound (protection_policy.py), one comparison per component.",
     ),
     Patch(
         name="disagg_prefill.failed_transfer_no_ref",

@@ -10,6 +10,10 @@ What is counted (all per cache):
                           that removed referenced device data, and what they
                           freed (counted in the ``_evict_component_and_detach_lru``
                           hook, before the data is gone);
+* ``protection_withdrawals`` / ``protection_withdrawn_refs`` / ``unearned_finishes``
+                          the protection policy (``protection_policy.py``):
+                          sessions withdrawn past the bound, leaf references
+                          they dropped, finishes not referenced yet;
 * the lifecycle counters of ``SessionCounters``: ``opened``, ``closed``,
   ``expired`` (TTL), ``registered``, ``stale_rejected``, ``late_finish_skipped``.
 
@@ -85,6 +89,12 @@ def snapshot(cache, max_age: float = 0.0) -> dict:
     }
     for key in COUNTER_KEYS:
         out[key] = getattr(counters, key)
+    policy = tracker.policy
+    out["protection_withdrawals"] = policy.withdrawals
+    out["protection_withdrawn_refs"] = policy.withdrawn_refs
+    out["unearned_finishes"] = policy.unearned_finishes
+    out["max_protected_fraction"] = policy.max_protected_fraction
+    out["protect_from_turn"] = policy.protect_from_turn
     out["referenced_tokens"] = _cached_referenced_tokens(cache, tracker, max_age)
     out["referenced_evictions"] = {
         str(ct): n for ct, n in tracker.referenced_evictions.items()
@@ -111,6 +121,8 @@ def log_fragment(snap: dict) -> Optional[str]:
         parts.append(f"expired={snap['expired']}")
     parts.append(f"ref_tokens({names})={ref}")
     parts.append(f"breaches={breaches}")
+    if snap.get("protection_withdrawals"):
+        parts.append(f"withdrawn={snap['protection_withdrawals']}")
     return ", ".join(parts)
 
 
@@ -142,6 +154,12 @@ _COUNTERS = (
      "Finished requests of an older session generation (not referenced).", False),
     ("late_finish_skipped", "sglang:session_radix_late_finish_skipped_total",
      "Requests finished after their session was closed or expired.", False),
+    ("protection_withdrawals", "sglang:session_radix_protection_withdrawals_total",
+     "Sessions whose protection was withdrawn by "
+     "--session-radix-cache-max-protected-fraction.", False),
+    ("unearned_finishes", "sglang:session_radix_unearned_finishes_total",
+     "Finished session requests not referenced because the session had not "
+     "reached --session-radix-cache-protect-from-turn yet.", False),
     ("referenced_evictions", "sglang:session_radix_referenced_evictions_total",
      "Evictions that removed referenced device data (soft-protection breaches), "
      "per component.", True),

@@ -31,6 +31,7 @@ from sglang_session_cache.component_refs import (
     make_component_refs,
 )
 from sglang_session_cache.session_idle import IdleSchedule
+from sglang_session_cache.protection_policy import ProtectionPolicy
 from sglang_session_cache.session_ttl import ExpiryLog, normalize_ttl
 from sglang_session_cache.session_ids import session_id_problem
 
@@ -173,6 +174,8 @@ class UnifiedSessionRefTracker:
     expiry_log: ExpiryLog = dataclasses.field(default_factory=ExpiryLog)
     _tombstone_chars_used: int = 0
     _open_chars_used: int = 0
+    # Earned protection and the protection bound (protection_policy.py).
+    policy: ProtectionPolicy = dataclasses.field(default_factory=ProtectionPolicy)
 
     def __post_init__(self):
         self.ttl = normalize_ttl(self.ttl)
@@ -206,6 +209,7 @@ class UnifiedSessionRefTracker:
         for ct in self.components:
             self.referenced_evictions.setdefault(ct, 0)
             self.referenced_evicted_tokens.setdefault(ct, 0)
+        self.policy.reset(self.cache, self.components)
 
     # ---- lifecycle ----
 
@@ -247,6 +251,7 @@ class UnifiedSessionRefTracker:
         self.idle.add(sid)
         self.recency[sid] = None
         self.epochs[sid] = gen
+        self.policy.on_open(sid)
         self.counters.opened += 1
         logger.debug("session %s opened (generation %d)", describe_id(sid), gen)
         return gen
@@ -293,6 +298,7 @@ class UnifiedSessionRefTracker:
         if existing is None:
             setattr(req, REQ_GENERATION_ATTR, gen)
             setattr(req, REQ_ARRIVAL_ATTR, next(self._next_event))
+            self.policy.on_arrival(sid)
         if gen is not None and gen == getattr(req, REQ_GENERATION_ATTR):
             # An arrival is activity, and the session is busy until it ends.
             setattr(req, REQ_INFLIGHT_ATTR, self.epochs[sid])
@@ -333,6 +339,7 @@ class UnifiedSessionRefTracker:
             return False
         current = self.generations.get(sid)
         gen = getattr(req, REQ_GENERATION_ATTR, None)
+        counted = gen is not None  # stamped on arrival: already counted
         if current is None:
             if sid in self.closed or gen is not None:
                 # Finished after its session was closed: register nothing.
@@ -353,6 +360,12 @@ class UnifiedSessionRefTracker:
                 describe_id(sid), getattr(req, "rid", "?"), gen, current,
             )
             return False
+        policy = self.policy
+        if not policy.earned(sid, counted):
+            # Not returned yet: its KV stays ordinary LRU data.
+            self.idle.touch(sid)
+            self._touch(sid)
+            return False
         # The session's reference follows its newest turn: leaves registered
         # before this request arrived are superseded (register_session_leaf).
         stamp = next(self._next_event)
@@ -362,6 +375,8 @@ class UnifiedSessionRefTracker:
         self.counters.registered += 1
         self.idle.touch(sid)
         self._touch(sid)
+        policy.on_registered(sid)
+        policy.enforce(self.components)
         return True
 
     def release_radix_session(self, session_id: str) -> int:
@@ -394,6 +409,7 @@ class UnifiedSessionRefTracker:
         self.idle.remove(sid)
         self.recency.pop(sid, None)
         self.epochs.pop(sid, None)
+        self.policy.forget(sid)
         released = 0
         for refs in self.components.values():
             released += refs.release_session(sid)
@@ -425,6 +441,25 @@ class UnifiedSessionRefTracker:
     def _touch(self, sid: str) -> None:
         if sid in self.recency:
             self.recency.move_to_end(sid)
+
+    # ---- protection policy ----
+
+    def configure_protection(
+        self, max_protected_fraction: Any = None, protect_from_turn: Any = None
+    ) -> None:
+        """Set the protection bound (share of each pool) and the request from
+        which a session is protected (``None``: the defaults); withdraws at
+        once if the new bound is already exceeded."""
+        policy = self.policy
+        policy.configure(max_protected_fraction, protect_from_turn)
+        policy.set_fraction(policy.max_protected_fraction, self.components, self.cache)
+        policy.enforce(self.components)
+
+    def enforce_protection_bound(self) -> int:
+        """Before eviction: a reference that moved up from an evicted SWA leaf
+        can widen its window between registrations.  One comparison per
+        component when within bound.  Returns sessions withdrawn."""
+        return self.policy.enforce(self.components)
 
     # ---- TTL (shared clock) ----
 
@@ -466,6 +501,7 @@ class UnifiedSessionRefTracker:
     def on_split(self, new_parent, child) -> None:
         for refs in self.components.values():
             refs.on_split(new_parent, child)
+            refs.account_split(new_parent, child)
 
     def on_node_deleted(self, node) -> None:
         cds = node.component_data
@@ -522,6 +558,9 @@ class UnifiedSessionRefTracker:
             )
         if self.idle.heap_size() > 2 * len(open_ids) + 64:
             raise SessionStateError("TTL deadline heap is not bounded by the open sessions")
+        problem = self.policy.validate(self.components, self.generations)
+        if problem is not None:
+            raise SessionStateError(f"protection policy: {problem}")
 
 
 __all__ = [

@@ -259,6 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="ttl",
                    help="idle TTL of the session cache, in trace time (generated "
                         "clock, JSONL 'time', Mooncake 'timestamp'); default off")
+    c.add_argument("--session-radix-cache-protect-from-turn", type=_positive,
+                   default=None, metavar="N", dest="protect_from_turn",
+                   help="session on: protect a session from its N-th request "
+                        "(default: the server default)")
+    c.add_argument("--session-radix-cache-max-protected-fraction", type=float,
+                   default=None, metavar="F", dest="max_protected_fraction",
+                   help="session on: most of each pool that references may "
+                        "protect (default: the server default)")
     r = p.add_argument_group("replay")
     r.add_argument("--shapes", type=_parse_shapes, default=list(SHAPES),
                    help=f"comma list of {','.join(SHAPES)} (default: all)")
@@ -851,6 +859,25 @@ def _plot_path(out: str, mode: Optional[str]) -> str:
     return os.path.join(out, f"{stem}_{mode}{ext}")
 
 
+def _publish_protection(args) -> None:
+    """The protection options, on every ServerArgs the harness publishes (the
+    session-on cache reads them at init, like a server)."""
+    from sglang_session_cache.protection_policy import (
+        FRACTION_FIELD,
+        FROM_TURN_FIELD,
+        normalize_fraction,
+        normalize_from_turn,
+    )
+    from sglang_session_cache_bench import harness
+
+    options = {}
+    if args.max_protected_fraction is not None:
+        options[FRACTION_FIELD] = normalize_fraction(args.max_protected_fraction)
+    if args.protect_from_turn is not None:
+        options[FROM_TURN_FIELD] = normalize_from_turn(args.protect_from_turn)
+    harness.SESSION_SERVER_ARGS = options
+
+
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
@@ -877,6 +904,7 @@ def main(argv: Optional[list] = None) -> int:
               "version?); nothing to benchmark", file=sys.stderr)
         return 2
     _log(f"[agentic] SGLang loaded ({time.perf_counter() - t_start:.1f}s)")
+    _publish_protection(args)
 
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, RESULTS_JSON)

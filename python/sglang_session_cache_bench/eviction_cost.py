@@ -77,6 +77,9 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
     tracker = h.cache.session_ref_tracker
     if tracker is None:
         return 0
+    # Measures bookkeeping with any share referenced: no protection bound,
+    # protected from the first request.
+    tracker.configure_protection(1.0, 1)
     rng = random.Random(seed)
     count = 0
     for i, ids in enumerate(leaves):
@@ -89,6 +92,7 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
             tracker.open_radix_session(sid)
             for refs in tracker.components.values():
                 refs.register_session_leaf(sid, node)
+            tracker.policy.on_registered(sid)
         if sid in tracker.generations:
             count += 1
     return count

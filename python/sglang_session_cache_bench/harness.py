@@ -137,6 +137,9 @@ _OUTPUT_TOKEN_BASE = 1_000_000
 # --------------------------------------------------------------------------
 
 _server_args_override = None
+#: Extra ``ServerArgs`` attributes every published ``ServerArgs`` carries
+#: (e.g. the session protection options); tests may replace it.
+SESSION_SERVER_ARGS: dict = {}
 
 
 def publish_server_args(
@@ -159,6 +162,8 @@ def publish_server_args(
     # ``mamba_cache_chunk_size`` is a lazily cached property that would load the
     # HF config of ``model_path``; seed its cache with SGLang's default instead.
     server_args._mamba_cache_chunk_size = max(mamba_cache_chunk_size, page_size)
+    for name, value in SESSION_SERVER_ARGS.items():
+        object.__setattr__(server_args, name, value)  # past the mutation guard
     _server_args_override = override
     return server_args
 

@@ -66,6 +66,14 @@ def apply_server_args_ttl(module) -> None:
     patch_server_args_class(module.ServerArgs)
 
 
+def apply_server_args_protection(module) -> None:
+    """``--session-radix-cache-max-protected-fraction`` and
+    ``--session-radix-cache-protect-from-turn`` (and their keywords)."""
+    from sglang_session_cache.protection_options import patch_server_args_class
+
+    patch_server_args_class(module.ServerArgs)
+
+
 # ---- cache selection guard ---------------------------------------------------
 
 

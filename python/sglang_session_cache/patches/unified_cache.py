@@ -232,11 +232,25 @@ def _wrap_check_lru(orig):
     return _check_lru_linked_list
 
 
+def _wrap_evict(orig):
+    def evict(self, params):
+        tracker = self.session_ref_tracker
+        if tracker is not None:
+            # The protection bound holds whenever victims are chosen.
+            tracker.enforce_protection_bound()
+        return orig(self, params)
+
+    return evict
+
+
 def _configure_ttl_and_metrics(cache, params) -> None:
-    """TTL from the process-wide ServerArgs (``--session-radix-cache-ttl``);
+    """TTL (``--session-radix-cache-ttl``) and the protection options
+    (``protection_policy.py``) from the process-wide ServerArgs;
     a Prometheus collector when the cache reports metrics."""
+    from sglang_session_cache.protection_policy import published_options
     from sglang_session_cache.session_ttl import published_ttl
 
+    cache.session_ref_tracker.configure_protection(*published_options())
     ttl = cache.session_ref_tracker.set_ttl(published_ttl())
     if ttl is not None:
         logger.info(
@@ -333,6 +347,7 @@ def apply_session_ttl_metrics(module) -> None:
     if "session_metrics_collector" not in cls.__dict__:
         cls.session_metrics_collector = None
         cls._session_ref_tokens_cache = None
+    wrap_method(cls, "evict", _wrap_evict)
     add_method(cls, "session_metrics", session_metrics)
     add_method(cls, "expire_idle_sessions", expire_idle_sessions)
     add_method(cls, "advance_session_clock", advance_session_clock)

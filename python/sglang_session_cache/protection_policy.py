@@ -1,0 +1,259 @@
+"""Which sessions' KV is protected, and how much protection there may be.
+
+Two rules keep session protection from hurting when clients tag every
+conversation (most of which never return):
+
+* **Earned protection** (``--session-radix-cache-protect-from-turn N``,
+  default 2): a session's finished requests register references only from
+  its N-th request on.  A single-shot conversation never references anything,
+  so it never displaces other KV; once a conversation shows it returns, its
+  newest turn is referenced as before (covering the whole conversation).
+  Requests are counted per session generation, on arrival at the scheduler
+  (or on finish for a request that was never stamped).  ``1`` protects from
+  the first request (the behaviour before this option).
+
+* **A bound** (``--session-radix-cache-max-protected-fraction F``, default
+  0.9): for every component whose pool size is known, the referenced data
+  (FULL/SWA tokens, Mamba states; distinct nodes, counted incrementally by
+  ``ComponentSessionRefs.ref_units``) may hold at most ``F`` of the pool.
+  Past it, protection is **withdrawn** from the session whose last
+  registration is the oldest (least recently active) until every component is
+  within bound.  A withdrawn session stays open (TTL and close work as
+  before); its KV stays cached as ordinary LRU data, and its next finished
+  request registers again.
+
+Why least recently active: a session that has not come back for the longest
+time is the least likely to come back soon (agent and chat turn gaps are
+short relative to abandonment), and it is the order the plain LRU would
+evict its KV in anyway -- withdrawing it only lets LRU do that.  Withdrawal
+order is event order (registrations), never a clock, so every TP/PP rank that
+sees the same requests withdraws the same sessions.
+
+Cost: a registration moves its session to the end of an ``OrderedDict``
+(O(1)); the bound check reads one counter per component; each withdrawal pops
+the front (O(1)) and releases that session's references, paid for by the
+registrations that created them (amortized O(1) per reference).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Optional
+
+#: ``ServerArgs`` attributes (and ``sglang.Engine`` keywords) and CLI flags.
+FRACTION_FIELD = "session_radix_cache_max_protected_fraction"
+FRACTION_FLAG = "--session-radix-cache-max-protected-fraction"
+FROM_TURN_FIELD = "session_radix_cache_protect_from_turn"
+FROM_TURN_FLAG = "--session-radix-cache-protect-from-turn"
+
+DEFAULT_MAX_PROTECTED_FRACTION = 0.9
+DEFAULT_PROTECT_FROM_TURN = 2
+
+
+class ProtectionOptionError(ValueError):
+    """Invalid protection option value."""
+
+
+def normalize_fraction(value: Any) -> float:
+    """``None`` -> the default; a number in (0, 1] -> float; else raise."""
+    if value is None:
+        return DEFAULT_MAX_PROTECTED_FRACTION
+    if isinstance(value, bool):
+        raise ProtectionOptionError(f"{FRACTION_FLAG} must be a number, got {value!r}")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ProtectionOptionError(
+            f"{FRACTION_FLAG} must be a number in (0, 1], got {value!r}"
+        ) from None
+    if math.isnan(f) or not 0.0 < f <= 1.0:
+        raise ProtectionOptionError(
+            f"{FRACTION_FLAG} must be a number in (0, 1], got {value!r}"
+        )
+    return f
+
+
+def normalize_from_turn(value: Any) -> int:
+    """``None`` -> the default; an integer >= 1 -> int; else raise."""
+    if value is None:
+        return DEFAULT_PROTECT_FROM_TURN
+    if isinstance(value, bool):
+        raise ProtectionOptionError(f"{FROM_TURN_FLAG} must be an integer, got {value!r}")
+    try:
+        n = int(value)
+        if n != float(value):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise ProtectionOptionError(
+            f"{FROM_TURN_FLAG} must be an integer >= 1, got {value!r}"
+        ) from None
+    if n < 1:
+        raise ProtectionOptionError(f"{FROM_TURN_FLAG} must be an integer >= 1, got {value!r}")
+    return n
+
+
+def configured_options(server_args: Any) -> tuple:
+    """``(max_protected_fraction, protect_from_turn)`` of a ``ServerArgs``
+    (defaults when absent)."""
+    return (
+        normalize_fraction(getattr(server_args, FRACTION_FIELD, None)),
+        normalize_from_turn(getattr(server_args, FROM_TURN_FIELD, None)),
+    )
+
+
+def published_options() -> tuple:
+    """The options of the process-wide ``ServerArgs``; defaults when none is
+    published (a cache built outside a server)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        server_args = get_server_args()
+    except ValueError:  # "Global server args is not set yet!"
+        server_args = None
+    return configured_options(server_args)
+
+
+def component_capacity(cache, ct: int) -> Optional[int]:
+    """Pool size of component ``ct`` in its ``ref_units`` (tokens; Mamba:
+    states), or ``None`` when this cache does not expose it."""
+    ct = int(ct)
+    if ct == 2:
+        pool = getattr(cache, "req_to_token_pool", None)
+        alloc = getattr(pool, "mamba_allocator", None)
+    else:
+        alloc = getattr(cache, "token_to_kv_pool_allocator", None)
+        if alloc is not None:
+            name = "full_attn_allocator" if ct == 0 else "swa_attn_allocator"
+            alloc = getattr(alloc, name, alloc if ct == 0 else None)
+    size = getattr(alloc, "size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+class ProtectionPolicy:
+    """Earned protection and the protection bound for one tracker (see the
+    module doc).  The tracker calls ``on_open``/``on_arrival``/``earned``/
+    ``on_registered``/``forget``; ``enforce`` withdraws past the bound."""
+
+    def __init__(
+        self,
+        max_protected_fraction: Any = None,
+        protect_from_turn: Any = None,
+    ):
+        self.max_protected_fraction = normalize_fraction(max_protected_fraction)
+        self.protect_from_turn = normalize_from_turn(protect_from_turn)
+        # open session id -> requests seen in its current generation
+        self.turns: dict = {}
+        # sessions that registered references, least recently registered first
+        self.protected: OrderedDict = OrderedDict()
+        # component type -> most ref_units it may hold (None: unbounded)
+        self.limits: dict = {}
+        # monotonic counters (survive a reset)
+        self.withdrawals = 0  # sessions whose protection was withdrawn
+        self.withdrawn_refs = 0  # leaf references dropped by withdrawals
+        self.unearned_finishes = 0  # finishes not referenced (not earned yet)
+
+    def configure(self, max_protected_fraction: Any, protect_from_turn: Any) -> None:
+        self.max_protected_fraction = normalize_fraction(max_protected_fraction)
+        self.protect_from_turn = normalize_from_turn(protect_from_turn)
+
+    def reset(self, cache, components: dict) -> None:
+        """Forget per-session state; recompute the per-component limits."""
+        self.turns.clear()
+        self.protected.clear()
+        self.limits = {}
+        for ct in components:
+            cap = component_capacity(cache, ct)
+            self.limits[ct] = (
+                None if cap is None else int(cap * self.max_protected_fraction)
+            )
+
+    def set_fraction(self, fraction: Any, components: dict, cache) -> None:
+        self.max_protected_fraction = normalize_fraction(fraction)
+        for ct in components:
+            cap = component_capacity(cache, ct)
+            self.limits[ct] = (
+                None if cap is None else int(cap * self.max_protected_fraction)
+            )
+
+    # ---- turns (earned protection) ----
+
+    def on_open(self, sid: str) -> None:
+        self.turns[sid] = 0
+
+    def on_arrival(self, sid: str) -> None:
+        self.turns[sid] = self.turns.get(sid, 0) + 1
+
+    def earned(self, sid: str, counted: bool) -> bool:
+        """Whether a finishing request of ``sid`` may register.  ``counted``:
+        its arrival was already counted (the request was stamped)."""
+        if not counted:
+            self.on_arrival(sid)
+        if self.turns.get(sid, 0) >= self.protect_from_turn:
+            return True
+        self.unearned_finishes += 1
+        return False
+
+    # ---- protected order (bound) ----
+
+    def on_registered(self, sid: str) -> None:
+        protected = self.protected
+        if sid in protected:
+            protected.move_to_end(sid)
+        else:
+            protected[sid] = None
+
+    def forget(self, sid: str) -> None:
+        """The session was closed or expired."""
+        self.turns.pop(sid, None)
+        self.protected.pop(sid, None)
+
+    def over_bound(self, components: dict) -> bool:
+        limits = self.limits
+        for ct, refs in components.items():
+            limit = limits.get(ct)
+            if limit is not None and refs.ref_units > limit:
+                return True
+        return False
+
+    def enforce(self, components: dict) -> int:
+        """Withdraw protection, least recently registered session first, until
+        every component is within its limit.  Returns sessions withdrawn."""
+        n = 0
+        protected = self.protected
+        while protected and self.over_bound(components):
+            sid, _ = protected.popitem(last=False)
+            for refs in components.values():
+                self.withdrawn_refs += refs.release_session(sid)
+            n += 1
+        self.withdrawals += n
+        return n
+
+    def validate(self, components: dict, open_sessions) -> Optional[str]:
+        """First inconsistency with the tracker's state, or ``None``."""
+        for sid in self.protected:
+            if sid not in open_sessions:
+                return f"protected session {sid!r} is not open"
+        if self.turns.keys() - open_sessions.keys():
+            return f"turn counts kept for closed sessions {sorted(self.turns.keys() - open_sessions.keys())}"
+        # The bound itself is not an invariant between events: a reference
+        # moving up from an evicted SWA leaf can widen its window.  It holds
+        # after every registration and before every eviction (``tick``).
+        return None
+
+
+__all__ = [
+    "DEFAULT_MAX_PROTECTED_FRACTION",
+    "DEFAULT_PROTECT_FROM_TURN",
+    "FRACTION_FIELD",
+    "FRACTION_FLAG",
+    "FROM_TURN_FIELD",
+    "FROM_TURN_FLAG",
+    "ProtectionOptionError",
+    "ProtectionPolicy",
+    "component_capacity",
+    "configured_options",
+    "normalize_fraction",
+    "normalize_from_turn",
+    "published_options",
+]
