@@ -67,6 +67,7 @@ rate vs pool size, off vs on, one panel per shape).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -859,9 +860,11 @@ def _plot_path(out: str, mode: Optional[str]) -> str:
     return os.path.join(out, f"{stem}_{mode}{ext}")
 
 
-def _publish_protection(args) -> None:
+@contextlib.contextmanager
+def _protection_published(args):
     """The protection options, on every ServerArgs the harness publishes (the
-    session-on cache reads them at init, like a server)."""
+    session-on cache reads them at init, like a server). Restored on exit, so
+    an in-process run (tests) leaves the harness as it found it."""
     from sglang_session_cache.protection_policy import (
         FRACTION_FIELD,
         FROM_TURN_FIELD,
@@ -875,7 +878,12 @@ def _publish_protection(args) -> None:
         options[FRACTION_FIELD] = normalize_fraction(args.max_protected_fraction)
     if args.protect_from_turn is not None:
         options[FROM_TURN_FIELD] = normalize_from_turn(args.protect_from_turn)
+    saved = harness.SESSION_SERVER_ARGS
     harness.SESSION_SERVER_ARGS = options
+    try:
+        yield
+    finally:
+        harness.SESSION_SERVER_ARGS = saved
 
 
 def main(argv: Optional[list] = None) -> int:
@@ -904,8 +912,11 @@ def main(argv: Optional[list] = None) -> int:
               "version?); nothing to benchmark", file=sys.stderr)
         return 2
     _log(f"[agentic] SGLang loaded ({time.perf_counter() - t_start:.1f}s)")
-    _publish_protection(args)
+    with _protection_published(args):
+        return _run_modes(args, runs, t_start)
 
+
+def _run_modes(args, runs, t_start: float) -> int:
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, RESULTS_JSON)
     # One mode: the results dict itself; several: one per mode under "modes".
