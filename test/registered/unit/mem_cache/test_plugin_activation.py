@@ -126,7 +126,7 @@ def test_scheduler_process(probes):
     assert state["sglang_loaded_plugins"]
     assert_fully_patched(state)
     for name in ("scheduler.session_forwarding", "common.admission_shortfall_eviction",
-                 "registry.no_effect_guard"):
+                 "registry.unified_tree_required"):
         assert name in state["applied"]
     # The cache module itself is imported later: the hook patches it then.
     assert "unified_radix_cache.session_refs" not in state["expected"]
