@@ -887,6 +887,11 @@ def _protection_published(args):
 
 
 def main(argv: Optional[list] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["live"]:  # the live-server mode (HTTP replay), its own CLI
+        from sglang_session_cache_bench.live_bench import main as live_main
+
+        return live_main(argv[1:])
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     try:

@@ -138,7 +138,7 @@ def test_bad_session_ids_get_400_and_server_keeps_serving(servers, kind):
             # Typed str fields: SGLang's own request validation answers 400 first.
             assert "Input should be a valid string" in r.text, (what, r.text[:300])
         else:
-            assert "a session id must be a non-empty string of at most 256" in r.text, (what, r.text[:300])
+            assert "must be a non-empty string of at most 256" in r.text, (what, r.text[:300])
             assert why in r.text, (what, r.text[:300])
         assert len(r.text) < 2000  # the 100k id is not echoed back
     assert requests.get(url + "/health", timeout=30).status_code == 200
@@ -153,6 +153,22 @@ def test_unknown_and_double_close_are_harmless(servers):
     assert close(url, "twice").status_code == 200
     assert close(url, "twice").status_code == 200
     assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
+def test_live_bench_replays_a_trace_against_the_server(servers, tmp_path, capsys):
+    from sglang_session_cache_bench.live_bench import main
+
+    out = tmp_path / "live.json"
+    assert main(["--url", servers["on"].url, "--sessions", "2", "--concurrency", "2",
+                 "--out", str(out)]) == 0
+    import json
+
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["session"] == "on" and row["shape"] == "FULL"
+    res = row["result"]
+    assert res["requests"] > 0 and not res["errors"]
+    assert res["session_hit"] > 0 and res["ttft"]["1"]["p50"] > 0
+    assert "t2 p50/p95" in capsys.readouterr().out
 
 
 def test_ttl_from_cli_and_metrics(servers):
