@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from sglang_session_cache.session_ids import validate_session_id
+
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -68,8 +70,7 @@ def close_everywhere(session_id: str, workers: Iterable[str],
                      timeout: float = DEFAULT_TIMEOUT_S) -> list:
     """POST ``/close_session`` for ``session_id`` to every worker at once.
     Never raises for a worker that fails: each gets a ``CloseResult``."""
-    if not isinstance(session_id, str) or not session_id:
-        raise ValueError(f"session_id must be a non-empty string, got {session_id!r}")
+    session_id = validate_session_id(session_id)  # the servers' own rule: fail here, once
     workers = list(dict.fromkeys(workers))
     if not workers:
         return []
@@ -88,6 +89,12 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("session_id", nargs="+")
     args = p.parse_args(argv)
+    try:
+        for sid in args.session_id:
+            validate_session_id(sid)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     workers = args.workers or router_workers(args.router, args.timeout)
     failed = 0
     for sid in args.session_id:

@@ -50,6 +50,10 @@ class ServerStartError(RuntimeError):
     """The server exited or did not become healthy; the message ends with its log tail."""
 
 
+PORT_CLASH_RETRIES = 2
+_PORT_CLASH = "address already in use"  # uvicorn, ZMQ and torch all say it
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -124,6 +128,10 @@ class LaunchedServer:
         self.extra_args = list(extra_args)
         self.extra_env = dict(env or {})
         self.port = port or free_port()
+        # Ports we picked ourselves may be taken between the pick and the bind
+        # (ours, or the NCCL port SGLang picks the same way): such a start is
+        # retried on fresh ports. A port the caller chose is never changed.
+        self._port_retries = 0 if port else PORT_CLASH_RETRIES
         self.python = python
         self.name = name or f"{self.kind or 'model'}-{'on' if session_cache else 'off'}"
         if log_path is None:
@@ -194,6 +202,14 @@ class LaunchedServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
+                if self._port_retries and _PORT_CLASH in self.log_text().lower():
+                    self._port_retries -= 1
+                    sys.stderr.write(f"[live_server] {self.name}: port {self.port} was "
+                                     "taken; restarting on a fresh port\n")
+                    self.proc, self.port = None, free_port()
+                    self.start()
+                    deadline = time.monotonic() + timeout
+                    continue
                 raise ServerStartError(
                     f"{self.name}: server exited with status {self.proc.returncode}\n"
                     + self.log_tail()

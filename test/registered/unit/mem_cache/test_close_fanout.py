@@ -84,9 +84,11 @@ def test_failures_are_reported_not_raised(endpoints):
 
 def test_bad_session_id_raises_before_sending(endpoints):
     a = endpoints()
-    for sid in ("", None, 5):
+    for sid in ("", None, 5, "   ", "a\x00b", "x" * 257):
         with pytest.raises(ValueError):
             close_everywhere(sid, [a.url])
+    assert a.posts == []
+    assert main(["--worker", a.url, "ok", "bad\nid"]) == 2  # checked before any close
     assert a.posts == []
     assert close_everywhere("s", []) == []
 
