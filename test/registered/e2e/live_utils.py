@@ -84,3 +84,27 @@ def flood(url: str, rng: random.Random, n: int, length: int, tag: Iterable[int] 
     """Unrelated one-shot traffic (no session)."""
     for _ in range(n):
         generate(url, list(tag) + tokens(rng, length), max_new_tokens=2)
+
+
+def flush(url: str) -> None:
+    """Empty the server's cache (SGLang's /flush_cache), so a test starts from a
+    pool with room instead of the module's leftovers."""
+    r = requests.post(url + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def session_survives(url: str, sid: str, prompt_len: int, flood_args: tuple) -> tuple:
+    """Two turns of a session (protection is earned: a session's references count
+    from its second request, --session-radix-cache-protect-from-turn), then
+    unrelated one-shot traffic far larger than the pool, then the third turn.
+    Returns (cached tokens of the third turn, prompt + output of the second)."""
+    rng = random.Random(4)
+    prompt = [9] + tokens(rng, prompt_len)
+    for _ in range(2):
+        out = generate(url, prompt, sid)["output_ids"]
+        need = len(prompt) + len(out)
+        prompt = prompt + out + tokens(rng, 10)
+    flood(url, random.Random(5), *flood_args)
+    nxt = generate(url, prompt, sid)
+    close(url, sid)
+    return nxt["meta_info"]["cached_tokens"], need

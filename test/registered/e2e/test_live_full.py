@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from live_utils import close, flood, generate, metric_values, module_servers, run_session, tokens
+from live_utils import (close, flush, generate, metric_values, module_servers, run_session,
+                        session_survives, tokens)
 from sglang_session_cache_bench.live_server import LaunchedServer
 
 POOL = 1024
@@ -33,9 +34,6 @@ def servers(request):
     })
     request.addfinalizer(no_unified.stop)
     srv["no_unified"] = no_unified
-    # A session that is left idle: expired by the TTL by the end of the module.
-    generate(srv["on"].url, [7] + tokens(random.Random(99), 40), "ttl-probe")
-    srv["ttl_probe_at"] = time.monotonic()
     return srv
 
 
@@ -43,6 +41,8 @@ def test_patch_active_in_scheduler_process(servers):
     log = servers["on"].log_text()
     assert "Session radix cache enabled on the unified tree (components full)" in log
     assert "impl=UnifiedRadixCache" in log
+    # SGLang's plugin loader activated us; the line comes through SGLang's logger.
+    assert "active (SGLang plugin sglang_session_cache)" in log
     assert "Session radix cache enabled" not in servers["off"].log_text()
 
 
@@ -58,6 +58,7 @@ def test_flag_without_unified_tree_fails_at_startup(servers):
 
 def test_multi_turn_session_reuses_previous_prompt_and_output(servers):
     url = servers["on"].url
+    flush(url)  # room for the whole conversation: the module's leftovers are not its test
     recs = run_session(url, "multi", [3] + tokens(random.Random(1), 150), turns=4, rng=random.Random(2))
     assert recs[0]["cached"] < 10
     for r in recs[1:]:
@@ -67,6 +68,7 @@ def test_multi_turn_session_reuses_previous_prompt_and_output(servers):
 
 def test_concurrent_sessions(servers):
     url = servers["on"].url
+    flush(url)
 
     def one(i):
         return run_session(url, f"conc-{i}", [20 + i] + tokens(random.Random(10 + i), 80),
@@ -91,19 +93,9 @@ def test_kv_reusable_after_close(servers):
     assert close(url, "closing").status_code == 200
 
 
-def _session_survives(url: str, sid: str) -> tuple:
-    rng = random.Random(4)
-    prompt = [9] + tokens(rng, SESSION_PROMPT)
-    out = generate(url, prompt, sid)["output_ids"]
-    flood(url, random.Random(5), *FLOOD)
-    nxt = generate(url, prompt + out + tokens(rng, 10), sid)
-    close(url, sid)
-    return nxt["meta_info"]["cached_tokens"], len(prompt) + len(out)
-
-
 def test_open_session_prefix_survives_pressure_only_with_the_flag(servers):
-    cached_on, need = _session_survives(servers["on"].url, "keeper")
-    cached_off, _ = _session_survives(servers["off"].url, "keeper")
+    cached_on, need = session_survives(servers["on"].url, "keeper", SESSION_PROMPT, FLOOD)
+    cached_off, _ = session_survives(servers["off"].url, "keeper", SESSION_PROMPT, FLOOD)
     print(f"FULL pool={POOL}: cached on={cached_on} off={cached_off} of {need}")
     assert cached_on >= need
     assert cached_off < need // 2
@@ -173,9 +165,10 @@ def test_live_bench_replays_a_trace_against_the_server(servers, tmp_path, capsys
 
 def test_ttl_from_cli_and_metrics(servers):
     url = servers["on"].url
-    wait = TTL_S + 1 - (time.monotonic() - servers["ttl_probe_at"])
-    if wait > 0:
-        time.sleep(wait)
+    # A session left idle, then an arrival past the TTL: the shared clock moves
+    # with arrivals, so that arrival expires it.
+    generate(url, [7] + tokens(random.Random(99), 40), "ttl-probe")
+    time.sleep(TTL_S + 1)
     generate(url, [8, 8, 8])  # any arrival ticks the TTL; its stats publish the metrics
     log = servers["on"].log_text()
     assert "session: open=" in log

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from live_utils import close, flood, generate, module_servers, run_session, tokens
+from live_utils import close, flush, generate, module_servers, run_session, session_survives, tokens
 from sglang_session_cache_bench.live_server import LaunchedServer
 from sglang_session_cache_bench.tiny_models import MELLUM_SLIDING_WINDOW
 
@@ -39,6 +39,7 @@ def test_hybrid_swa_gets_the_unified_tree_without_the_env_var(servers):
 
 def test_multi_turn_session_reuses_previous_prompt_and_output(servers):
     url = servers["on"].url
+    flush(url)  # room for the whole conversation: the module's leftovers are not its test
     recs = run_session(url, "multi", [3] + tokens(random.Random(1), 150), turns=4,
                        rng=random.Random(2), grow=MELLUM_SLIDING_WINDOW)
     for r in recs[1:]:
@@ -46,19 +47,9 @@ def test_multi_turn_session_reuses_previous_prompt_and_output(servers):
     assert close(url, "multi").status_code == 200
 
 
-def _session_survives(url, sid):
-    rng = random.Random(4)
-    prompt = [9] + tokens(rng, SESSION_PROMPT)
-    out = generate(url, prompt, sid)["output_ids"]
-    flood(url, random.Random(5), *FLOOD)
-    nxt = generate(url, prompt + out + tokens(rng, 10), sid)
-    close(url, sid)
-    return nxt["meta_info"]["cached_tokens"], len(prompt) + len(out)
-
-
 def test_open_session_prefix_survives_pressure_only_with_the_flag(servers):
-    cached_on, need = _session_survives(servers["on"].url, "keeper")
-    cached_off, _ = _session_survives(servers["off"].url, "keeper")
+    cached_on, need = session_survives(servers["on"].url, "keeper", SESSION_PROMPT, FLOOD)
+    cached_off, _ = session_survives(servers["off"].url, "keeper", SESSION_PROMPT, FLOOD)
     print(f"FULL+SWA pool={POOL}: cached on={cached_on} off={cached_off} of {need}")
     assert cached_on >= need
     assert cached_off < need // 2
