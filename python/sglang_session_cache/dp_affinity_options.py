@@ -9,11 +9,11 @@ instance attribute, so it reaches the spawned DP controller with the pickled
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from typing import Any
 
 from sglang_session_cache.dp_affinity import DEFAULT_MAX_BINDINGS, DEFAULT_OVERLOAD_FACTOR
+from sglang_session_cache.patches._wrap import wrap_class_method
 
 DISABLE_FIELD = "disable_session_dp_affinity"
 FACTOR_FIELD = "session_dp_affinity_overload_factor"
@@ -101,19 +101,6 @@ def _cli_type(normalizer):
     return parse
 
 
-def _rewrap(cls, name: str, make_wrapper) -> None:
-    # Static/class methods: wrap the function, re-apply the descriptor, once.
-    raw = cls.__dict__[name]
-    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-    func = raw.__func__ if kind is not None else raw
-    if getattr(func, _WRAPPED, False):
-        return
-    wrapper = make_wrapper(func)
-    functools.update_wrapper(wrapper, func)
-    setattr(wrapper, _WRAPPED, True)
-    setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
-
-
 def _wrap_add_cli_args(orig):
     def add_cli_args(parser):
         orig(parser)
@@ -156,9 +143,9 @@ def patch_server_args_class(cls) -> None:
     for field, (default, _, _) in OPTIONS.items():
         if field not in cls.__dict__:
             setattr(cls, field, default)
-    _rewrap(cls, "add_cli_args", _wrap_add_cli_args)
-    _rewrap(cls, "from_cli_args", _wrap_from_cli_args)
-    _rewrap(cls, "__init__", _wrap_init)
+    wrap_class_method(cls, "add_cli_args", _wrap_add_cli_args, _WRAPPED)
+    wrap_class_method(cls, "from_cli_args", _wrap_from_cli_args, _WRAPPED)
+    wrap_class_method(cls, "__init__", _wrap_init, _WRAPPED)
 
 
 __all__ = [

@@ -13,8 +13,8 @@ values fail at startup with the flag's name.
 from __future__ import annotations
 
 import argparse
-import functools
 
+from sglang_session_cache.patches._wrap import wrap_class_method
 from sglang_session_cache.protection_policy import (
     DEFAULT_MAX_PROTECTED_FRACTION,
     DEFAULT_PROTECT_FROM_TURN,
@@ -54,18 +54,6 @@ def _parser_type(normalize):
     return parse
 
 
-def _layer(cls, name, make_wrapper) -> None:
-    raw = cls.__dict__[name]
-    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-    func = raw.__func__ if kind is not None else raw
-    if getattr(func, _MARK, False):
-        return
-    wrapper = make_wrapper(func)
-    functools.update_wrapper(wrapper, func)
-    setattr(wrapper, _MARK, True)
-    setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
-
-
 def _wrap_add_cli_args(orig):
     def add_cli_args(parser):
         orig(parser)
@@ -103,9 +91,9 @@ def patch_server_args_class(cls) -> None:
     for field, *_ in _OPTIONS:
         if field not in cls.__dict__:
             setattr(cls, field, None)  # class default: the option's default
-    _layer(cls, "add_cli_args", _wrap_add_cli_args)
-    _layer(cls, "from_cli_args", _wrap_from_cli_args)
-    _layer(cls, "__init__", _wrap_init)
+    wrap_class_method(cls, "add_cli_args", _wrap_add_cli_args, _MARK)
+    wrap_class_method(cls, "from_cli_args", _wrap_from_cli_args, _MARK)
+    wrap_class_method(cls, "__init__", _wrap_init, _MARK)
 
 
 __all__ = ["patch_server_args_class"]

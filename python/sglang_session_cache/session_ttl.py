@@ -20,12 +20,11 @@ validation) and the aggregated expiry log; the expiry itself lives in
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import math
 from typing import Any, Optional
 
-from sglang_session_cache.patches._wrap import PATCHED_FLAG
+from sglang_session_cache.patches._wrap import PATCHED_FLAG, wrap_class_method
 
 logger = logging.getLogger("sglang.srt.mem_cache.unified_radix_cache")
 _args_logger = logging.getLogger("sglang.srt.server_args")
@@ -121,20 +120,6 @@ class ExpiryLog:
 # ---- ServerArgs plumbing -------------------------------------------------------
 
 
-def _rewrap(cls, name: str, make_wrapper) -> None:
-    """``wrap_method`` for static/class methods: wraps the underlying function
-    and re-applies the descriptor, once."""
-    raw = cls.__dict__[name]
-    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
-    func = raw.__func__ if kind is not None else raw
-    if getattr(func, PATCHED_FLAG, False):
-        return
-    wrapper = make_wrapper(func)
-    functools.update_wrapper(wrapper, func)
-    setattr(wrapper, PATCHED_FLAG, True)
-    setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
-
-
 def _set_ttl(server_args, ttl: Optional[float]) -> None:
     # Construction-time value, not a post-resolution mutation: bypass the
     # strict-mutation guard of ServerArgs.__setattr__.
@@ -190,9 +175,9 @@ def _wrap_init(orig):
 def patch_server_args_class(cls) -> None:
     if TTL_FIELD not in cls.__dict__:
         setattr(cls, TTL_FIELD, None)  # class default: off
-    _rewrap(cls, "add_cli_args", _wrap_add_cli_args)
-    _rewrap(cls, "from_cli_args", _wrap_from_cli_args)
-    _rewrap(cls, "__init__", _wrap_init)
+    wrap_class_method(cls, "add_cli_args", _wrap_add_cli_args, PATCHED_FLAG)
+    wrap_class_method(cls, "from_cli_args", _wrap_from_cli_args, PATCHED_FLAG)
+    wrap_class_method(cls, "__init__", _wrap_init, PATCHED_FLAG)
 
 
 __all__ = [

@@ -27,6 +27,21 @@ def wrap_method(cls, name: str, make_wrapper) -> None:  # cls may be a module
         rebind_imported(original, wrapper)
 
 
+def wrap_class_method(cls, name: str, make_wrapper, flag: str = PATCHED_FLAG) -> None:
+    """``wrap_method`` for plain, static and class methods of a class: wraps the
+    underlying function and re-applies the descriptor, once per ``flag`` (each
+    option module layers its own wrapper on the same ``ServerArgs`` method)."""
+    raw = cls.__dict__[name]
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    func = raw.__func__ if kind is not None else raw
+    if getattr(func, flag, False):
+        return
+    wrapper = make_wrapper(func)
+    functools.update_wrapper(wrapper, func)
+    setattr(wrapper, flag, True)
+    setattr(cls, name, kind(wrapper) if kind is not None else wrapper)
+
+
 def rebind_imported(original, wrapper) -> list[str]:
     """Point every ``from X import name`` copy of ``original`` in an already
     imported ``sglang`` module at ``wrapper``; returns those modules' names.
