@@ -2,7 +2,7 @@
 (``protection_policy.py``):
 
 * ``--session-radix-cache-max-protected-fraction F`` (``0 < F <= 1``, default 0.9)
-* ``--session-radix-cache-protect-from-turn N`` (``N >= 1``, default 2)
+* ``--session-radix-cache-protect-from-turn auto|N`` (``N >= 1``, default ``auto``)
 
 Both are CLI flags and ``ServerArgs(...)`` / ``sglang.Engine(...)`` keywords,
 stored as instance attributes (class default ``None`` = the default value), so
@@ -37,9 +37,10 @@ _OPTIONS = (
      "protect; past it, protection is withdrawn from the least recently active "
      f"sessions first (their KV stays cached). Default: {DEFAULT_MAX_PROTECTED_FRACTION}. "
      "Needs --enable-session-radix-cache."),
-    (FROM_TURN_FIELD, FROM_TURN_FLAG, normalize_from_turn, "N",
-     "A session's KV is protected from its N-th request on, so conversations "
-     "that never return protect nothing. 1 protects from the first request. "
+    (FROM_TURN_FIELD, FROM_TURN_FLAG, normalize_from_turn, "{auto,N}",
+     "A session's KV is protected from its N-th request on (2: conversations "
+     "that never return protect nothing; 1: from the first request). 'auto' "
+     "learns 1 or 2 from how often recent sessions sent a second request. "
      f"Default: {DEFAULT_PROTECT_FROM_TURN}. Needs --enable-session-radix-cache."),
 )
 

@@ -3,22 +3,28 @@
 Two rules keep session protection from hurting when clients tag every
 conversation (most of which never return):
 
-* **Earned protection** (``--session-radix-cache-protect-from-turn N``,
-  default 2): a session's finished requests register references only from
-  its N-th request on.  A single-shot conversation never references anything,
-  so it never displaces other KV; once a conversation shows it returns, its
-  newest turn is referenced as before (covering the whole conversation).
-  Requests are counted per session generation, on arrival at the scheduler
-  (or on finish for a request that was never stamped).  ``1`` protects from
-  the first request (the behaviour before this option).
+* **Earned protection** (``--session-radix-cache-protect-from-turn``,
+  default ``auto``): a session's finished requests register references only
+  from its N-th request on, so a single-shot conversation never displaces
+  other KV; once a conversation shows it returns, its newest turn is
+  referenced as before (covering the whole conversation).  ``1`` protects
+  from the first request (the behaviour before this option), ``2`` from the
+  second.  ``auto`` learns which of the two fits the traffic
+  (``session_return_rate.py``): while most recent sessions came back for a
+  second request, first requests are protected too; when most did not (a
+  client that tags every call), only returning sessions are, and the
+  sessions protected on their first request alone lose that protection at
+  once.  Requests are counted per session generation, on arrival at the
+  scheduler (or on finish for a request that was never stamped).
 
 * **A bound** (``--session-radix-cache-max-protected-fraction F``, default
   0.9): for every component whose pool size is known, the referenced data
   (FULL/SWA tokens, Mamba states; distinct nodes, counted incrementally by
   ``ComponentSessionRefs.ref_units``) may hold at most ``F`` of the pool.
-  Past it, protection is **withdrawn** from the session whose last
-  registration is the oldest (least recently active) until every component is
-  within bound.  A withdrawn session stays open (TTL and close work as
+  Past it, protection is **withdrawn** until every component is within
+  bound: first from sessions protected on their first request alone (they
+  have not shown they return), then from the session whose last registration
+  is the oldest (least recently active).  A withdrawn session stays open (TTL and close work as
   before); its KV stays cached as ordinary LRU data, and its next finished
   request registers again.
 
@@ -41,6 +47,8 @@ import math
 from collections import OrderedDict
 from typing import Any, Optional
 
+from sglang_session_cache.session_return_rate import SessionReturnRate
+
 #: ``ServerArgs`` attributes (and ``sglang.Engine`` keywords) and CLI flags.
 FRACTION_FIELD = "session_radix_cache_max_protected_fraction"
 FRACTION_FLAG = "--session-radix-cache-max-protected-fraction"
@@ -48,7 +56,9 @@ FROM_TURN_FIELD = "session_radix_cache_protect_from_turn"
 FROM_TURN_FLAG = "--session-radix-cache-protect-from-turn"
 
 DEFAULT_MAX_PROTECTED_FRACTION = 0.9
-DEFAULT_PROTECT_FROM_TURN = 2
+#: ``--session-radix-cache-protect-from-turn auto``: 1 or 2, learned.
+AUTO = "auto"
+DEFAULT_PROTECT_FROM_TURN = AUTO
 
 
 class ProtectionOptionError(ValueError):
@@ -74,10 +84,13 @@ def normalize_fraction(value: Any) -> float:
     return f
 
 
-def normalize_from_turn(value: Any) -> int:
-    """``None`` -> the default; an integer >= 1 -> int; else raise."""
+def normalize_from_turn(value: Any):
+    """``None`` -> the default; ``"auto"`` -> ``AUTO``; an integer >= 1 ->
+    int; else raise."""
     if value is None:
         return DEFAULT_PROTECT_FROM_TURN
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
     if isinstance(value, bool):
         raise ProtectionOptionError(f"{FROM_TURN_FLAG} must be an integer, got {value!r}")
     try:
@@ -86,10 +99,11 @@ def normalize_from_turn(value: Any) -> int:
             raise ValueError
     except (TypeError, ValueError, OverflowError):
         raise ProtectionOptionError(
-            f"{FROM_TURN_FLAG} must be an integer >= 1, got {value!r}"
+            f"{FROM_TURN_FLAG} must be 'auto' or an integer >= 1, got {value!r}"
         ) from None
     if n < 1:
-        raise ProtectionOptionError(f"{FROM_TURN_FLAG} must be an integer >= 1, got {value!r}")
+        raise ProtectionOptionError(
+            f"{FROM_TURN_FLAG} must be 'auto' or an integer >= 1, got {value!r}")
     return n
 
 
@@ -133,7 +147,9 @@ def component_capacity(cache, ct: int) -> Optional[int]:
 class ProtectionPolicy:
     """Earned protection and the protection bound for one tracker (see the
     module doc).  The tracker calls ``on_open``/``on_arrival``/``earned``/
-    ``on_registered``/``forget``; ``enforce`` withdraws past the bound."""
+    ``on_registered``/``forget``; ``enforce`` withdraws past the bound (and,
+    under ``auto``, the first-request protection the traffic stopped earning;
+    ``withdraw_pending`` says it is due)."""
 
     def __init__(
         self,
@@ -146,35 +162,57 @@ class ProtectionPolicy:
         self.turns: dict = {}
         # sessions that registered references, least recently registered first
         self.protected: OrderedDict = OrderedDict()
+        # (auto) the protected sessions registered on their first request only
+        self.first_turn_only: OrderedDict = OrderedDict()
+        self.return_rate = SessionReturnRate()
+        self.withdraw_pending = False
+        # component type -> pool size in ref_units (None: unknown)
+        self.capacity: dict = {}
         # component type -> most ref_units it may hold (None: unbounded)
         self.limits: dict = {}
         # monotonic counters (survive a reset)
         self.withdrawals = 0  # sessions whose protection was withdrawn
         self.withdrawn_refs = 0  # leaf references dropped by withdrawals
         self.unearned_finishes = 0  # finishes not referenced (not earned yet)
+        self.first_turn_withdrawals = 0  # (auto) withdrawn when the rate fell
+
+    @property
+    def auto(self) -> bool:
+        return self.protect_from_turn == AUTO
+
+    @property
+    def protects_first_turn(self) -> bool:
+        """Whether a session's first request is protected right now."""
+        if self.auto:
+            return self.return_rate.protect_first
+        return self.protect_from_turn <= 1
 
     def configure(self, max_protected_fraction: Any, protect_from_turn: Any) -> None:
         self.max_protected_fraction = normalize_fraction(max_protected_fraction)
         self.protect_from_turn = normalize_from_turn(protect_from_turn)
+        if not self.auto:
+            self.first_turn_only.clear()
 
     def reset(self, cache, components: dict) -> None:
-        """Forget per-session state; recompute the per-component limits."""
+        """Forget per-session state; recompute the per-component limits.  The
+        learned return rate describes the traffic, not the cache: it stays."""
         self.turns.clear()
         self.protected.clear()
-        self.limits = {}
-        for ct in components:
-            cap = component_capacity(cache, ct)
-            self.limits[ct] = (
-                None if cap is None else int(cap * self.max_protected_fraction)
-            )
+        self.first_turn_only.clear()
+        self.return_rate.forget_sessions()
+        self.withdraw_pending = False
+        self.set_fraction(self.max_protected_fraction, components, cache)
 
     def set_fraction(self, fraction: Any, components: dict, cache) -> None:
         self.max_protected_fraction = normalize_fraction(fraction)
-        for ct in components:
-            cap = component_capacity(cache, ct)
-            self.limits[ct] = (
-                None if cap is None else int(cap * self.max_protected_fraction)
-            )
+        self.capacity = {ct: component_capacity(cache, ct) for ct in components}
+        self._apply_limits()
+
+    def _apply_limits(self) -> None:
+        f = self.max_protected_fraction
+        self.limits = {
+            ct: None if cap is None else int(cap * f) for ct, cap in self.capacity.items()
+        }
 
     # ---- turns (earned protection) ----
 
@@ -182,14 +220,27 @@ class ProtectionPolicy:
         self.turns[sid] = 0
 
     def on_arrival(self, sid: str) -> None:
-        self.turns[sid] = self.turns.get(sid, 0) + 1
+        n = self.turns[sid] = self.turns.get(sid, 0) + 1
+        if n > 2 or not self.auto:
+            return
+        if n == 1:
+            flipped = self.return_rate.started(sid)
+        else:
+            self.first_turn_only.pop(sid, None)  # it returned: earned for good
+            flipped = self.return_rate.returned(sid)
+        if flipped:
+            self.withdraw_pending = True
 
     def earned(self, sid: str, counted: bool) -> bool:
         """Whether a finishing request of ``sid`` may register.  ``counted``:
         its arrival was already counted (the request was stamped)."""
         if not counted:
             self.on_arrival(sid)
-        if self.turns.get(sid, 0) >= self.protect_from_turn:
+        turns = self.turns.get(sid, 0)
+        if self.auto:
+            if turns >= 2 or (turns == 1 and self.return_rate.protect_first):
+                return True
+        elif turns >= self.protect_from_turn:
             return True
         self.unearned_finishes += 1
         return False
@@ -202,11 +253,16 @@ class ProtectionPolicy:
             protected.move_to_end(sid)
         else:
             protected[sid] = None
+        if self.auto and self.turns.get(sid, 0) < 2:
+            self.first_turn_only[sid] = None
 
     def forget(self, sid: str) -> None:
-        """The session was closed or expired."""
+        """The session was closed, expired or released."""
         self.turns.pop(sid, None)
         self.protected.pop(sid, None)
+        self.first_turn_only.pop(sid, None)
+        if self.auto and self.return_rate.ended(sid):
+            self.withdraw_pending = True
 
     def over_bound(self, components: dict) -> bool:
         limits = self.limits
@@ -216,15 +272,32 @@ class ProtectionPolicy:
                 return True
         return False
 
+    def _withdraw(self, sid: str, components: dict) -> None:
+        self.protected.pop(sid, None)
+        for refs in components.values():
+            self.withdrawn_refs += refs.release_session(sid)
+
     def enforce(self, components: dict) -> int:
-        """Withdraw protection, least recently registered session first, until
-        every component is within its limit.  Returns sessions withdrawn."""
+        """Withdraw what is due: under ``auto``, every first-request-only
+        protection once the return rate fell; then, until every component is
+        within its limit, first-request-only sessions and then the least
+        recently registered ones.  Returns sessions withdrawn."""
         n = 0
+        first_only = self.first_turn_only
+        if self.withdraw_pending:
+            self.withdraw_pending = False
+            while first_only:
+                sid, _ = first_only.popitem(last=False)
+                self._withdraw(sid, components)
+                self.first_turn_withdrawals += 1
+                n += 1
         protected = self.protected
         while protected and self.over_bound(components):
-            sid, _ = protected.popitem(last=False)
-            for refs in components.values():
-                self.withdrawn_refs += refs.release_session(sid)
+            if first_only:
+                sid, _ = first_only.popitem(last=False)
+            else:
+                sid, _ = protected.popitem(last=False)
+            self._withdraw(sid, components)
             n += 1
         self.withdrawals += n
         return n
@@ -236,6 +309,17 @@ class ProtectionPolicy:
                 return f"protected session {sid!r} is not open"
         if self.turns.keys() - open_sessions.keys():
             return f"turn counts kept for closed sessions {sorted(self.turns.keys() - open_sessions.keys())}"
+        for sid in self.first_turn_only:
+            if sid not in self.protected:
+                return f"first-request-only session {sid!r} is not protected"
+            if self.turns.get(sid, 0) >= 2:
+                return f"session {sid!r} returned but is still marked first-request-only"
+        if self.first_turn_only and not (self.auto and not self.withdraw_pending
+                                         and self.return_rate.protect_first):
+            return "first-request-only protection kept while first requests are not protected"
+        problem = self.return_rate.validate()
+        if problem:
+            return f"return rate: {problem}"
         # The bound itself is not an invariant between events: a reference
         # moving up from an evicted SWA leaf can widen its window.  It holds
         # after every registration and before every eviction (``tick``).
@@ -243,6 +327,7 @@ class ProtectionPolicy:
 
 
 __all__ = [
+    "AUTO",
     "DEFAULT_MAX_PROTECTED_FRACTION",
     "DEFAULT_PROTECT_FROM_TURN",
     "FRACTION_FIELD",

@@ -14,6 +14,11 @@ What is counted (all per cache):
                           the protection policy (``protection_policy.py``):
                           sessions withdrawn past the bound, leaf references
                           they dropped, finishes not referenced yet;
+* ``first_turn_withdrawals`` / ``session_return_rate`` / ``protect_first_turn``
+                          ``--session-radix-cache-protect-from-turn auto``:
+                          sessions that lost first-request protection when the
+                          learned return rate fell, that rate, and whether
+                          first requests are protected now (1/0);
 * the lifecycle counters of ``SessionCounters``: ``opened``, ``closed``,
   ``expired`` (TTL), ``registered``, ``stale_rejected``, ``late_finish_skipped``.
 
@@ -95,6 +100,9 @@ def snapshot(cache, max_age: float = 0.0) -> dict:
     out["unearned_finishes"] = policy.unearned_finishes
     out["max_protected_fraction"] = policy.max_protected_fraction
     out["protect_from_turn"] = policy.protect_from_turn
+    out["first_turn_withdrawals"] = policy.first_turn_withdrawals
+    out["session_return_rate"] = policy.return_rate.rate
+    out["protect_first_turn"] = int(policy.protects_first_turn)
     out["referenced_tokens"] = _cached_referenced_tokens(cache, tracker, max_age)
     out["referenced_evictions"] = {
         str(ct): n for ct, n in tracker.referenced_evictions.items()
@@ -140,6 +148,11 @@ _GAUGES = (
     ("referenced_tokens", "sglang:session_radix_referenced_tokens",
      "Device tokens (Mamba: states) held under a session reference, per component.",
      True),
+    ("session_return_rate", "sglang:session_radix_return_rate",
+     "Learned share of recent sessions that sent a second request "
+     "(--session-radix-cache-protect-from-turn auto).", False),
+    ("protect_first_turn", "sglang:session_radix_protect_first_turn",
+     "1 while a session's first request is protected, else 0.", False),
 )
 _COUNTERS = (
     ("opened", "sglang:session_radix_sessions_opened_total",
@@ -160,6 +173,9 @@ _COUNTERS = (
     ("unearned_finishes", "sglang:session_radix_unearned_finishes_total",
      "Finished session requests not referenced because the session had not "
      "reached --session-radix-cache-protect-from-turn yet.", False),
+    ("first_turn_withdrawals", "sglang:session_radix_first_turn_withdrawals_total",
+     "Sessions protected on their first request alone whose protection was "
+     "withdrawn when the learned return rate fell (protect-from-turn auto).", False),
     ("referenced_evictions", "sglang:session_radix_referenced_evictions_total",
      "Evictions that removed referenced device data (soft-protection breaches), "
      "per component.", True),
@@ -225,6 +241,8 @@ class SessionCacheMetricsCollector(_collector_base()):
             return
         m = self.metrics
         m["open_sessions"].labels(**self.labels).set(snap["open_sessions"])
+        m["session_return_rate"].labels(**self.labels).set(snap["session_return_rate"])
+        m["protect_first_turn"].labels(**self.labels).set(snap["protect_first_turn"])
         for comp, n in snap["referenced_tokens"].items():
             m["referenced_tokens"].labels(**self.labels, component=comp).set(n)
         for key, _, _, per_component in _COUNTERS:

@@ -299,6 +299,8 @@ class UnifiedSessionRefTracker:
             setattr(req, REQ_GENERATION_ATTR, gen)
             setattr(req, REQ_ARRIVAL_ATTR, next(self._next_event))
             self.policy.on_arrival(sid)
+            if self.policy.withdraw_pending:
+                self.policy.enforce(self.components)
         if gen is not None and gen == getattr(req, REQ_GENERATION_ATTR):
             # An arrival is activity, and the session is busy until it ends.
             setattr(req, REQ_INFLIGHT_ATTR, self.epochs[sid])
@@ -415,6 +417,8 @@ class UnifiedSessionRefTracker:
         released = 0
         for refs in self.components.values():
             released += refs.release_session(sid)
+        if self.policy.withdraw_pending:
+            self.policy.enforce(self.components)
         self._remember_closed(sid)
         return released
 

@@ -185,6 +185,18 @@ def _positive(text: str) -> int:
     return v
 
 
+def _from_turn(text: str):
+    from sglang_session_cache.protection_policy import (
+        ProtectionOptionError,
+        normalize_from_turn,
+    )
+
+    try:
+        return normalize_from_turn(text)
+    except ProtectionOptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parse_modes(text: str) -> list:
     names = [m.strip() for m in text.split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
@@ -260,14 +272,20 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="ttl",
                    help="idle TTL of the session cache, in trace time (generated "
                         "clock, JSONL 'time', Mooncake 'timestamp'); default off")
-    c.add_argument("--session-radix-cache-protect-from-turn", type=_positive,
-                   default=None, metavar="N", dest="protect_from_turn",
-                   help="session on: protect a session from its N-th request "
-                        "(default: the server default)")
+    c.add_argument("--session-radix-cache-protect-from-turn", type=_from_turn,
+                   default=None, metavar="N|auto", dest="protect_from_turn",
+                   help="session on: protect a session from its N-th request, or "
+                        "'auto' (learned from how often sessions return; "
+                        "default: the server default)")
     c.add_argument("--session-radix-cache-max-protected-fraction", type=float,
                    default=None, metavar="F", dest="max_protected_fraction",
                    help="session on: most of each pool that references may "
                         "protect (default: the server default)")
+    c.add_argument("--baseline", action="store_true",
+                   help="also replay with the protection before earned protection "
+                        "and the bound (first request protected, no bound: "
+                        "protect-from-turn 1, max-protected-fraction 1) and report "
+                        "the share of its gain that the session-on run keeps")
     r = p.add_argument_group("replay")
     r.add_argument("--shapes", type=_parse_shapes, default=list(SHAPES),
                    help=f"comma list of {','.join(SHAPES)} (default: all)")
@@ -601,7 +619,8 @@ def _sweep(args, trace: Trace, ttl: Optional[float], on_cell) -> dict:
         "complete": False,
     }
     t0 = time.perf_counter()
-    n_runs = len(args.shapes) * len(sizes) * 2
+    keys = ("off", "on") + (("base",) if getattr(args, "baseline", False) else ())
+    n_runs = len(args.shapes) * len(sizes) * len(keys)
     done = 0
     try:
         for shape in args.shapes:
@@ -609,9 +628,8 @@ def _sweep(args, trace: Trace, ttl: Optional[float], on_cell) -> dict:
             for pool in sizes:
                 row = {"pool_tokens": pool, "pool_share": _ratio(pool, footprint)}
                 rows.append(row)
-                for on in (False, True):
-                    key = "on" if on else "off"
-                    st = _run_cell(args, trace, results, shape, pool, on, ttl)
+                for key in keys:
+                    st = _run_cell(args, trace, results, shape, pool, key, ttl)
                     done += 1
                     row[key] = st.as_dict() if st is not None else None
                     _finish_row(results, shape, row)
@@ -628,9 +646,22 @@ def _sweep(args, trace: Trace, ttl: Optional[float], on_cell) -> dict:
     return results
 
 
-def _run_cell(args, trace, results, shape, pool, on, ttl) -> Optional[RunStats]:
-    key = "on" if on else "off"
+#: The ``base`` runs: session protection as before earned protection and the
+#: bound existed (every finished request protected, nothing withdrawn).
+BASELINE_OPTIONS = {
+    "session_radix_cache_protect_from_turn": 1,
+    "session_radix_cache_max_protected_fraction": 1.0,
+}
+
+
+def _run_cell(args, trace, results, shape, pool, key, ttl) -> Optional[RunStats]:
+    from sglang_session_cache_bench import harness
+
+    on = key != "off"
     where = f"{SHAPE_TITLES[shape]} pool={pool} session={key}"
+    saved = harness.SESSION_SERVER_ARGS
+    if key == "base":
+        harness.SESSION_SERVER_ARGS = dict(saved, **BASELINE_OPTIONS)
     try:
         st = replay(trace, shape, pool, on, check_every=args.check_every,
                     ttl=ttl if on else None)
@@ -638,6 +669,8 @@ def _run_cell(args, trace, results, shape, pool, on, ttl) -> Optional[RunStats]:
         traceback.print_exc()
         results["issues"].append(f"{where}: replay failed: {type(exc).__name__}: {exc}")
         return None
+    finally:
+        harness.SESSION_SERVER_ARGS = saved
     results["issues"].extend(f"{where}: {issue}" for issue in st.issues)
     return st
 
@@ -648,7 +681,13 @@ def _finish_row(results: dict, shape: str, row: dict) -> None:
     off, on_ = row["off"]["hit_rate"], row["on"]["hit_rate"]
     row["gain"] = (on_ - off) / off if off else None
     row["gain_points"] = 100.0 * (on_ - off)
-    if row["off"]["stream_digest"] != row["on"]["stream_digest"]:
+    if row.get("base"):
+        base_points = 100.0 * (row["base"]["hit_rate"] - off)
+        row["base_gain_points"] = base_points
+        # Share of the baseline's gain the session-on run keeps.
+        row["kept_of_base"] = row["gain_points"] / base_points if base_points > 0 else None
+    if any(row[k] and row[k]["stream_digest"] != row["off"]["stream_digest"]
+           for k in ("on", "base") if k in row):
         results["issues"].append(
             f"{SHAPE_TITLES[shape]} pool={row['pool_tokens']}: off and on replayed "
             f"different request streams")
@@ -708,6 +747,10 @@ def format_tables(results: dict, legend: bool = True) -> str:
     ]
     if legend:
         lines += LEGEND
+        if any(row.get("base") for rows in results["shapes"].values() for row in rows):
+            lines.append("base = session on with the protection before earned "
+                         "protection and the bound (first request protected, no bound); "
+                         "'% of base' = share of its gain kept")
     for note in results["config"].get("size_notes", []):
         lines.append(f"note: {note}")
     header = (f"{'pool':>8} {'%fp':>5} {'session':>7} {'hit':>6} {'session':>8} "
@@ -719,9 +762,9 @@ def format_tables(results: dict, legend: bool = True) -> str:
         lines.append(header)
         for row in rows:
             first = True
-            for key in ("off", "on"):
+            for key in ("off", "on", "base"):
                 if key not in row:
-                    continue  # the run was cut short
+                    continue  # the run was cut short or no baseline
                 r = row[key]
                 pool = f"{row['pool_tokens']:,}" if first else ""
                 share = _share(row["pool_share"]) if first else ""
@@ -730,6 +773,10 @@ def format_tables(results: dict, legend: bool = True) -> str:
                     lines.append(f"{pool:>8} {share:>5} {key:>7}  FAILED (see issues)")
                     continue
                 gain = _gain(row) if key == "on" else ""
+                if key == "on" and row.get("kept_of_base") is not None:
+                    gain += f", {100 * row['kept_of_base']:.0f}% of base"
+                if key == "base" and row.get("base_gain_points") is not None:
+                    gain = f"{row['base_gain_points']:+.1f} pt"
                 expired = r.get("tracker", {}).get("expired", 0)
                 if key == "on" and ttl:
                     gain += f"  [{expired} expired]"
@@ -773,6 +820,18 @@ def format_mode_summary(all_results: list) -> str:
             worst = f"{100 * min(rel):+.1f}%" if rel else "n/a"
             cells.append(f"{f'{min(pts):+.1f} .. {max(pts):+.1f} pt, {worst}':>{width}}")
         lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
+    kept_lines = []
+    for r in all_results:
+        cells = []
+        for sh in shapes:
+            kept = [row["kept_of_base"] for row in r["shapes"].get(sh, [])
+                    if row.get("kept_of_base") is not None]
+            cells.append(f"{f'{100 * min(kept):.0f} .. {100 * max(kept):.0f}%' if kept else '-':>{width}}")
+        if any(c.strip() != "-" for c in cells):
+            kept_lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
+    if kept_lines:
+        lines += ["", "== share of the baseline's gain kept (base: first request "
+                  "protected, no bound), min .. max over pool sizes =="] + kept_lines
     return "\n".join(lines)
 
 
@@ -789,7 +848,8 @@ def write_plot(results: dict, path: str) -> None:
     for ax, shape in zip(axes[0], shapes):
         rows = results["shapes"][shape]
         for key, label, style in (("off", "session cache off", "o-"),
-                                  ("on", "session cache on", "s-")):
+                                  ("on", "session cache on", "s-"),
+                                  ("base", "on, first request protected, no bound", "^:")):
             pts = [(r["pool_tokens"] / 1000, r[key]["hit_rate"]) for r in rows if r.get(key)]
             if pts:
                 ax.plot(*zip(*pts), style, label=label)

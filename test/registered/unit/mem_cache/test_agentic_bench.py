@@ -81,6 +81,34 @@ def test_table_goes_to_stdout(tmp_path, capsys):
     assert (tmp_path / agentic.RESULTS_JSON).exists()
 
 
+def test_baseline_runs_side_by_side_with_the_share_of_its_gain_kept(tmp_path, capsys):
+    """--baseline: a third run per cell with the protection before earned
+    protection and the bound; its gain and the share the on-run keeps."""
+    import json
+
+    rc = agentic.main(["--quick", "--shapes", "full", "--sizes", "20%", "--baseline",
+                       "--mode", "closed,tag-all", "--out", str(tmp_path), "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    doc = json.loads((tmp_path / agentic.RESULTS_JSON).read_text())
+    for mode in ("closed", "tag-all"):
+        (row,) = doc["modes"][mode]["shapes"]["full"]
+        assert row["base"]["session"] is True
+        assert row["base"]["stream_digest"] == row["off"]["stream_digest"]
+        base_points = 100 * (row["base"]["hit_rate"] - row["off"]["hit_rate"])
+        assert row["base_gain_points"] == pytest.approx(base_points)
+        if base_points > 0:
+            assert row["kept_of_base"] == pytest.approx(row["gain_points"] / base_points)
+    assert "% of base" in out and "share of the baseline's gain kept" in out
+
+
+def test_protect_from_turn_flag_accepts_auto(capsys):
+    args = agentic.build_parser().parse_args(["--session-radix-cache-protect-from-turn", "auto"])
+    assert args.protect_from_turn == "auto"
+    with pytest.raises(SystemExit):
+        agentic.build_parser().parse_args(["--session-radix-cache-protect-from-turn", "0"])
+
+
 def test_off_and_on_replay_the_identical_request_stream(quick):
     _, _, results, _ = quick
     trace = results["trace"]
