@@ -94,8 +94,8 @@ def flush(url: str) -> None:
 
 
 def session_survives(url: str, sid: str, prompt_len: int, flood_args: tuple) -> tuple:
-    """Two turns of a session (protection is earned: a session's references count
-    from its second request, --session-radix-cache-protect-from-turn), then
+    """Two turns of a session (a session that has returned is protected whatever
+    --session-radix-cache-protect-from-turn learned), then
     unrelated one-shot traffic far larger than the pool, then the third turn.
     Returns (cached tokens of the third turn, prompt + output of the second)."""
     rng = random.Random(4)
