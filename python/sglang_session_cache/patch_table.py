@@ -64,6 +64,7 @@ PATCHES: tuple[Patch, ...] = (
             "UnifiedRadixCache._split_node", "UnifiedRadixCache._remove_leaf_from_parent",
             "UnifiedRadixCache._evict_component_and_detach_lru",
             "UnifiedRadixCache._check_lru_linked_list",
+            "UnifiedRadixCache.match_prefix",
             "UnifiedRadixCache.open_radix_session (new)",
             "UnifiedRadixCache.release_radix_session (new)",
             "UnifiedRadixCache.ensure_session_generation (new)",

@@ -17,16 +17,20 @@ conversation (most of which never return):
   once.  Requests are counted per session generation, on arrival at the
   scheduler (or on finish for a request that was never stamped).
 
-* **A bound** (``--session-radix-cache-max-protected-fraction F``, default
-  0.9): for every component whose pool size is known, the referenced data
-  (FULL/SWA tokens, Mamba states; distinct nodes, counted incrementally by
-  ``ComponentSessionRefs.ref_units``) may hold at most ``F`` of the pool.
-  Past it, protection is **withdrawn** until every component is within
-  bound: first from sessions protected on their first request alone (they
-  have not shown they return), then from the session whose last registration
-  is the oldest (least recently active).  A withdrawn session stays open (TTL and close work as
-  before); its KV stays cached as ordinary LRU data, and its next finished
-  request registers again.
+* **A bound** (``--session-radix-cache-max-protected-fraction F|auto``,
+  default 0.9): for every component whose pool size is known, the
+  referenced data (FULL/SWA tokens, Mamba states; distinct nodes, counted
+  incrementally by ``ComponentSessionRefs.ref_units``) may hold at most ``F``
+  of the pool.  ``auto`` (opt-in) is 0.9 times a scale learned from what
+  protection costs (``protection_scale.py``: misses on unreferenced KV that
+  protection pushed out shrink it, misses of returning sessions on their own
+  unprotected KV grow it); it helps when untagged traffic shares hot
+  prefixes, and costs sessions some of their gain in small pools.  Past the bound, protection is **withdrawn** until
+  every component is within bound: first from sessions protected on their
+  first request alone (they have not shown they return), then from the
+  session whose last registration is the oldest (least recently active).  A
+  withdrawn session stays open (TTL and close work as before); its KV stays
+  cached as ordinary LRU data, and its next finished request registers again.
 
 Why least recently active: a session that has not come back for the longest
 time is the least likely to come back soon (agent and chat turn gaps are
@@ -47,6 +51,7 @@ import math
 from collections import OrderedDict
 from typing import Any, Optional
 
+from sglang_session_cache.protection_scale import ProtectionScale
 from sglang_session_cache.session_return_rate import SessionReturnRate
 
 #: ``ServerArgs`` attributes (and ``sglang.Engine`` keywords) and CLI flags.
@@ -55,9 +60,12 @@ FRACTION_FLAG = "--session-radix-cache-max-protected-fraction"
 FROM_TURN_FIELD = "session_radix_cache_protect_from_turn"
 FROM_TURN_FLAG = "--session-radix-cache-protect-from-turn"
 
-DEFAULT_MAX_PROTECTED_FRACTION = 0.9
-#: ``--session-radix-cache-protect-from-turn auto``: 1 or 2, learned.
+#: ``--session-radix-cache-protect-from-turn auto``: 1 or 2, learned;
+#: ``--session-radix-cache-max-protected-fraction auto``: up to
+#: ``AUTO_FRACTION_CEILING``, scaled by what protection costs (learned).
 AUTO = "auto"
+AUTO_FRACTION_CEILING = 0.9
+DEFAULT_MAX_PROTECTED_FRACTION = 0.9
 DEFAULT_PROTECT_FROM_TURN = AUTO
 
 
@@ -65,21 +73,24 @@ class ProtectionOptionError(ValueError):
     """Invalid protection option value."""
 
 
-def normalize_fraction(value: Any) -> float:
-    """``None`` -> the default; a number in (0, 1] -> float; else raise."""
+def normalize_fraction(value: Any):
+    """``None`` -> the default; ``"auto"`` -> ``AUTO``; a number in (0, 1] ->
+    float; else raise."""
     if value is None:
         return DEFAULT_MAX_PROTECTED_FRACTION
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
     if isinstance(value, bool):
         raise ProtectionOptionError(f"{FRACTION_FLAG} must be a number, got {value!r}")
     try:
         f = float(value)
     except (TypeError, ValueError):
         raise ProtectionOptionError(
-            f"{FRACTION_FLAG} must be a number in (0, 1], got {value!r}"
+            f"{FRACTION_FLAG} must be 'auto' or a number in (0, 1], got {value!r}"
         ) from None
     if math.isnan(f) or not 0.0 < f <= 1.0:
         raise ProtectionOptionError(
-            f"{FRACTION_FLAG} must be a number in (0, 1], got {value!r}"
+            f"{FRACTION_FLAG} must be 'auto' or a number in (0, 1], got {value!r}"
         )
     return f
 
@@ -166,6 +177,8 @@ class ProtectionPolicy:
         self.first_turn_only: OrderedDict = OrderedDict()
         self.return_rate = SessionReturnRate()
         self.withdraw_pending = False
+        # learned scale on the fraction (protection_scale.py)
+        self.scale = ProtectionScale()
         # component type -> pool size in ref_units (None: unknown)
         self.capacity: dict = {}
         # component type -> most ref_units it may hold (None: unbounded)
@@ -201,18 +214,47 @@ class ProtectionPolicy:
         self.first_turn_only.clear()
         self.return_rate.forget_sessions()
         self.withdraw_pending = False
+        self.scale.forget()
         self.set_fraction(self.max_protected_fraction, components, cache)
 
     def set_fraction(self, fraction: Any, components: dict, cache) -> None:
         self.max_protected_fraction = normalize_fraction(fraction)
         self.capacity = {ct: component_capacity(cache, ct) for ct in components}
+        self.scale.page = max(1, int(getattr(cache, "page_size", 1) or 1))
+        if self.max_protected_fraction == AUTO:
+            self.scale.configure(self.capacity.get(0))
+        else:  # a fixed fraction: nothing learned, no ghosts kept
+            self.scale.configure(None)
+            self.scale.scale = 1.0
         self._apply_limits()
 
-    def _apply_limits(self) -> None:
+    @property
+    def effective_fraction(self) -> float:
+        """The share of each pool references may hold now: a fixed fraction,
+        or under ``auto`` the ceiling times the learned scale."""
         f = self.max_protected_fraction
+        if f == AUTO:
+            return AUTO_FRACTION_CEILING * self.scale.scale
+        return f
+
+    def _apply_limits(self) -> None:
+        f = self.effective_fraction
         self.limits = {
             ct: None if cap is None else int(cap * f) for ct, cap in self.capacity.items()
         }
+
+    # ---- the learned scale ----
+
+    def on_ghost_miss(self, parent_id: int, tokens, returning: bool,
+                      components: dict) -> None:
+        """A request's match stopped where unreferenced KV was evicted."""
+        scale = self.scale
+        old = scale.scale
+        shrank = scale.missed(parent_id, tokens, returning)
+        if scale.scale != old:
+            self._apply_limits()
+            if shrank:
+                self.enforce(components)
 
     # ---- turns (earned protection) ----
 
@@ -320,6 +362,9 @@ class ProtectionPolicy:
         problem = self.return_rate.validate()
         if problem:
             return f"return rate: {problem}"
+        problem = self.scale.validate()
+        if problem:
+            return f"protection scale: {problem}"
         # The bound itself is not an invariant between events: a reference
         # moving up from an evicted SWA leaf can widen its window.  It holds
         # after every registration and before every eviction (``tick``).
@@ -328,6 +373,7 @@ class ProtectionPolicy:
 
 __all__ = [
     "AUTO",
+    "AUTO_FRACTION_CEILING",
     "DEFAULT_MAX_PROTECTED_FRACTION",
     "DEFAULT_PROTECT_FROM_TURN",
     "FRACTION_FIELD",

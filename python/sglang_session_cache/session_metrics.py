@@ -19,6 +19,13 @@ What is counted (all per cache):
                           sessions that lost first-request protection when the
                           learned return rate fell, that rate, and whether
                           first requests are protected now (1/0);
+* ``effective_protected_fraction`` / ``protection_scale_grew`` /
+  ``protection_scale_shrank``
+                          the share of each pool references may hold now
+                          (``--session-radix-cache-max-protected-fraction
+                          auto``: 0.9 times the learned scale), and the misses
+                          that grew or shrank that scale
+                          (``protection_scale.py``);
 * the lifecycle counters of ``SessionCounters``: ``opened``, ``closed``,
   ``expired`` (TTL), ``registered``, ``stale_rejected``, ``late_finish_skipped``.
 
@@ -101,6 +108,9 @@ def snapshot(cache, max_age: float = 0.0) -> dict:
     out["max_protected_fraction"] = policy.max_protected_fraction
     out["protect_from_turn"] = policy.protect_from_turn
     out["first_turn_withdrawals"] = policy.first_turn_withdrawals
+    out["effective_protected_fraction"] = policy.effective_fraction
+    out["protection_scale_grew"] = policy.scale.grew
+    out["protection_scale_shrank"] = policy.scale.shrank
     out["session_return_rate"] = policy.return_rate.rate
     out["protect_first_turn"] = int(policy.protects_first_turn)
     out["referenced_tokens"] = _cached_referenced_tokens(cache, tracker, max_age)
@@ -153,6 +163,9 @@ _GAUGES = (
      "(--session-radix-cache-protect-from-turn auto).", False),
     ("protect_first_turn", "sglang:session_radix_protect_first_turn",
      "1 while a session's first request is protected, else 0.", False),
+    ("effective_protected_fraction", "sglang:session_radix_effective_protected_fraction",
+     "Share of each pool session references may protect now "
+     "(max-protected-fraction auto: 0.9 times the learned scale).", False),
 )
 _COUNTERS = (
     ("opened", "sglang:session_radix_sessions_opened_total",
@@ -176,6 +189,12 @@ _COUNTERS = (
     ("first_turn_withdrawals", "sglang:session_radix_first_turn_withdrawals_total",
      "Sessions protected on their first request alone whose protection was "
      "withdrawn when the learned return rate fell (protect-from-turn auto).", False),
+    ("protection_scale_shrank", "sglang:session_radix_protection_scale_shrank_total",
+     "Requests that missed unreferenced KV evicted while protection held other "
+     "KV (each shrinks the learned protection scale).", False),
+    ("protection_scale_grew", "sglang:session_radix_protection_scale_grew_total",
+     "Returning sessions that missed their own unprotected KV (each grows the "
+     "learned protection scale).", False),
     ("referenced_evictions", "sglang:session_radix_referenced_evictions_total",
      "Evictions that removed referenced device data (soft-protection breaches), "
      "per component.", True),
@@ -243,6 +262,8 @@ class SessionCacheMetricsCollector(_collector_base()):
         m["open_sessions"].labels(**self.labels).set(snap["open_sessions"])
         m["session_return_rate"].labels(**self.labels).set(snap["session_return_rate"])
         m["protect_first_turn"].labels(**self.labels).set(snap["protect_first_turn"])
+        m["effective_protected_fraction"].labels(**self.labels).set(
+            snap["effective_protected_fraction"])
         for comp, n in snap["referenced_tokens"].items():
             m["referenced_tokens"].labels(**self.labels, component=comp).set(n)
         for key, _, _, per_component in _COUNTERS:

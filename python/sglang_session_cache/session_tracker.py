@@ -320,6 +320,31 @@ class UnifiedSessionRefTracker:
             self.idle.finish(sid)
             self._touch(sid)
 
+    # ---- the learned protection scale (protection_scale.py) ----
+
+    def on_match(self, req: Req, key, result) -> None:
+        """A scheduler match for ``req``: did it stop where unreferenced KV
+        was evicted while protection held other KV?"""
+        policy = self.policy
+        if not policy.scale.ghosts:
+            return
+        tokens = key.token_ids
+        matched = len(result.device_indices)
+        end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
+        node = result.last_device_node
+        if matched >= end or node is None:
+            return
+        sid = plain_session_id(session_id_of(req))
+        returning = sid is not None and policy.turns.get(sid, 0) >= 2
+        policy.on_ghost_miss(node.id, tokens[matched:end], returning, self.components)
+
+    def on_unreferenced_evict(self, node) -> None:
+        """An unreferenced FULL node's device KV is being evicted."""
+        full = self.components.get(0)
+        if full is not None and full.ref_units and node.parent is not None:
+            self.policy.scale.evicted(node.parent.id, node.id, node.key.token_ids,
+                                      len(node.key))
+
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""
         sid = plain_session_id(session_id_of(req))

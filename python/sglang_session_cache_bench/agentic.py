@@ -185,6 +185,18 @@ def _positive(text: str) -> int:
     return v
 
 
+def _fraction_option(text: str):
+    from sglang_session_cache.protection_policy import (
+        ProtectionOptionError,
+        normalize_fraction,
+    )
+
+    try:
+        return normalize_fraction(text)
+    except ProtectionOptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _from_turn(text: str):
     from sglang_session_cache.protection_policy import (
         ProtectionOptionError,
@@ -277,10 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="session on: protect a session from its N-th request, or "
                         "'auto' (learned from how often sessions return; "
                         "default: the server default)")
-    c.add_argument("--session-radix-cache-max-protected-fraction", type=float,
-                   default=None, metavar="F", dest="max_protected_fraction",
+    c.add_argument("--session-radix-cache-max-protected-fraction", type=_fraction_option,
+                   default=None, metavar="F|auto", dest="max_protected_fraction",
                    help="session on: most of each pool that references may "
-                        "protect (default: the server default)")
+                        "protect, or 'auto' (learned; default: the server default)")
     c.add_argument("--baseline", action="store_true",
                    help="also replay with the protection before earned protection "
                         "and the bound (first request protected, no bound: "

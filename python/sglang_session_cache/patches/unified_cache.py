@@ -193,7 +193,10 @@ def _wrap_remove_leaf(orig):
 def _wrap_evict_component(orig):
     from sglang.srt.mem_cache.unified_cache_components import EvictLayer
 
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+
     device, host = int(EvictLayer.DEVICE), int(EvictLayer.HOST)
+    full_ct = ComponentType.FULL
 
     def _evict_component_and_detach_lru(self, node, comp, target=EvictLayer.DEVICE, tracker=None):
         refs = self.session_ref_tracker
@@ -217,9 +220,26 @@ def _wrap_evict_component(orig):
                 refs.referenced_evictions[ct] += 1
                 refs.referenced_evicted_tokens[ct] += freed[0]
             return freed
+        if comp.component_type == full_ct and int(target) & device and cd.value is not None:
+            # Unreferenced KV going while references hold other KV: a ghost
+            # for the learned protection scale (protection_scale.py).
+            guarded(refs.on_unreferenced_evict, node)
         return orig(self, node, comp, target=target, tracker=tracker)
 
     return _evict_component_and_detach_lru
+
+
+def _wrap_match_prefix(orig):
+    def match_prefix(self, params):
+        result = orig(self, params)
+        tracker = self.session_ref_tracker
+        if tracker is not None:
+            req = getattr(params, "req", None)
+            if req is not None:  # a scheduler match, not a lookup
+                guarded(tracker.on_match, req, params.key, result)
+        return result
+
+    return match_prefix
 
 
 def _wrap_check_lru(orig):
@@ -370,6 +390,7 @@ def apply_unified_cache(module) -> None:
     wrap_method(cls, "_remove_leaf_from_parent", _wrap_remove_leaf)
     wrap_method(cls, "_evict_component_and_detach_lru", _wrap_evict_component)
     wrap_method(cls, "_check_lru_linked_list", _wrap_check_lru)
+    wrap_method(cls, "match_prefix", _wrap_match_prefix)
     for fn in (
         open_radix_session,
         release_radix_session,

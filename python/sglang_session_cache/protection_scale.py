@@ -1,0 +1,130 @@
+"""How much of the pool protection may hold, learned from what it cost: a
+scale on ``--session-radix-cache-max-protected-fraction``.
+
+Protection ranks any referenced KV above any unreferenced KV.  That is right
+for sessions that come back, and wrong when unreferenced KV is the one in
+demand -- one-shot requests over a few shared documents, which plain LRU
+would keep, evicted for session KV that is read once more, or never.  Which
+side is worth more is workload-dependent, so it is measured, in the spirit of
+ARC's ghost lists:
+
+* While references exist, each **unreferenced** FULL node evicted from the
+  device leaves a *ghost*: its place (parent node and first page, as the
+  tree keys children) and its size.  Ghosts are bounded to one pool of tokens, oldest dropped first.
+* When a request's device match stops exactly where a ghost was (same parent,
+  same next tokens), the request missed KV that protection pushed out:
+  - from a session that has **returned** (its second request or later), the
+    miss says the session's own, unprotected KV was needed: the scale grows;
+  - from anything else (untagged traffic, a session's first request), it says
+    the unreferenced KV that lost its room to protection was needed: the
+    scale shrinks.
+
+Each hit moves the scale by the ghost's size over the pool size (token
+weighted, like the hit rate), between 0 (nothing protected: the session
+cache off) and 1 (the configured fraction).  A ghost is used once.
+
+Node ids and token contents are the same on every TP/PP rank that applies the
+same operations, and nothing here reads a clock, so every rank scales the
+same.  Costs: one dict insert per such eviction, one lookup per request
+match.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+#: Ghosts kept, as a share of the pool (measured: 1.0 beat 0.3, 0.1 and
+#: 0.03 on the shared-documents workload; smaller windows miss the documents).
+GHOST_BUDGET = 1.0
+
+
+def ghost_key(parent_id: int, tokens, page: int = 1) -> tuple:
+    """A child's place: its parent and its first page (how the radix tree
+    itself keys children, so two children of one parent never collide)."""
+    return (parent_id, tuple(tokens[:page]))
+
+
+class ProtectionScale:
+    def __init__(self, page: int = 1):
+        self.page = page
+        self.scale = 1.0
+        self.capacity = 0  # FULL pool tokens
+        self.budget = 0  # most ghost tokens kept
+        self.ghosts: OrderedDict = OrderedDict()
+        self.ghost_tokens = 0
+        # monotonic counters
+        self.grew = 0  # ghost hits by returning sessions
+        self.shrank = 0  # ghost hits by other requests
+
+    def configure(self, capacity: Optional[int]) -> None:
+        """Learn against a FULL pool of ``capacity`` tokens; ``None``: do
+        not learn (no ghosts are kept)."""
+        self.capacity = capacity or 0
+        self.budget = int(self.capacity * GHOST_BUDGET)
+        if not self.capacity:
+            self.forget()
+        self._trim()
+
+    def forget(self) -> None:
+        """The tree was reset: its node ids are gone."""
+        self.ghosts.clear()
+        self.ghost_tokens = 0
+
+    def evicted(self, parent_id: int, node_id: int, tokens, size: int) -> None:
+        if not self.capacity or size <= 0:
+            return
+        key = ghost_key(parent_id, tokens, self.page)
+        old = self.ghosts.pop(key, None)
+        self.ghosts[key] = (size, node_id)
+        self.ghost_tokens += size - (old[0] if old else 0)
+        self._trim()
+
+    def _trim(self) -> None:
+        ghosts = self.ghosts
+        while self.ghost_tokens > self.budget and ghosts:
+            _, (size, _) = ghosts.popitem(last=False)
+            self.ghost_tokens -= size
+
+    def missed(self, parent_id: int, tokens, returning: bool) -> bool:
+        """A match stopped below ``parent_id`` before ``tokens``.  Returns
+        whether the scale shrank (limits must be re-applied)."""
+        ghosts = self.ghosts
+        if not ghosts:
+            return False
+        # Follow the evicted chain (leaves go first, then their parents), so
+        # the miss counts all the KV the request lost, not just its top node.
+        lost = 0
+        while True:
+            ghost = ghosts.pop(ghost_key(parent_id, tokens[lost:], self.page), None)
+            if ghost is None:
+                break
+            size, parent_id = ghost
+            self.ghost_tokens -= size
+            lost += size
+            if lost >= len(tokens):
+                break
+        if not lost:
+            return False
+        step = lost / self.capacity
+        if returning:
+            self.grew += 1
+            self.scale = min(1.0, self.scale + step)
+            return False
+        self.shrank += 1
+        old = self.scale
+        self.scale = max(0.0, self.scale - step)
+        return self.scale < old
+
+    def validate(self) -> Optional[str]:
+        if not 0.0 <= self.scale <= 1.0:
+            return f"scale {self.scale} outside [0, 1]"
+        total = sum(size for size, _ in self.ghosts.values())
+        if self.ghost_tokens != total:
+            return f"ghost tokens {self.ghost_tokens} != {total}"
+        if self.ghost_tokens > self.budget:
+            return f"ghost tokens {self.ghost_tokens} exceed the budget {self.budget}"
+        return None
+
+
+__all__ = ["GHOST_BUDGET", "ProtectionScale", "ghost_key"]

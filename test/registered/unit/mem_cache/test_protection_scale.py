@@ -1,0 +1,137 @@
+"""``--session-radix-cache-max-protected-fraction auto``: the protection scale
+learned from misses on KV that protection pushed out (``protection_scale.py``),
+on its own and through the real UnifiedRadixCache."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from session_test_utils import SHAPES, arrive, prompt  # noqa: E402
+
+from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
+from sglang_session_cache.protection_policy import (  # noqa: E402
+    AUTO,
+    AUTO_FRACTION_CEILING,
+    normalize_fraction,
+)
+from sglang_session_cache.protection_scale import ProtectionScale  # noqa: E402
+
+FULL = ComponentType.FULL
+
+
+# ---- the scale alone -----------------------------------------------------------------
+
+
+def test_misses_of_other_traffic_shrink_returning_sessions_grow():
+    s = ProtectionScale()
+    s.configure(1000)
+    s.evicted(parent_id=1, node_id=2, tokens=[5, 6, 7], size=100)
+    assert not s.missed(1, [9, 9], returning=False)  # no ghost there
+    assert s.missed(1, [5, 6, 7, 8], returning=False)
+    assert s.scale == pytest.approx(0.9) and s.shrank == 1
+    assert not s.missed(1, [5, 6, 7, 8], returning=False)  # a ghost is used once
+    s.evicted(1, 3, [5, 6, 7], 50)
+    assert not s.missed(1, [5, 6, 7], returning=True)
+    assert s.scale == pytest.approx(0.95) and s.grew == 1
+    assert s.validate() is None
+
+
+def test_a_miss_counts_the_whole_evicted_chain():
+    s = ProtectionScale()
+    s.configure(1000)
+    s.evicted(7, 8, [1, 2], 2)  # the leaf went first ...
+    s.evicted(1, 7, [9, 9], 2)  # ... then its parent
+    s.missed(1, [9, 9, 1, 2], returning=False)
+    assert s.scale == pytest.approx(1 - 4 / 1000)
+    assert not s.ghosts and s.ghost_tokens == 0
+
+
+def test_ghosts_are_bounded_by_the_pool_and_clamped():
+    s = ProtectionScale()
+    s.configure(100)
+    for i in range(50):
+        s.evicted(0, i + 1, [i], 10)
+    assert s.ghost_tokens <= 100 and len(s.ghosts) == 10
+    for i in range(40, 50):
+        s.missed(0, [i], returning=False)
+    assert s.scale == pytest.approx(0.0)
+    assert s.validate() is None
+
+
+def test_fixed_fraction_learns_nothing():
+    s = ProtectionScale()
+    s.configure(None)
+    s.evicted(0, 1, [1], 10)
+    assert not s.ghosts and not s.missed(0, [1], returning=False)
+
+
+def test_option_values():
+    assert normalize_fraction("auto") == AUTO
+    assert normalize_fraction(None) == 0.9  # the default stays fixed
+
+
+# ---- on the real cache -----------------------------------------------------------------
+
+
+def turn(h, tokens, sid=None):
+    req = arrive(h, tokens, sid) if sid else h.new_req(tokens)
+    h.prefill(req, finishing=True)
+    h.finish(req)
+    return req
+
+
+def _idle_sessions_and_hot_documents(h):
+    tracker = h.cache.session_ref_tracker
+    for i in range(8):  # sessions that return once, then never close
+        conv = prompt(10_000 * (i + 1), 60)
+        turn(h, conv, f"s{i}")
+        turn(h, conv + prompt(10_000 * (i + 1) + 500, 10), f"s{i}")
+    docs = [prompt(900_000 + 10_000 * d, 150) for d in range(3)]
+    for i in range(120):  # untagged one-shots over three shared documents
+        turn(h, docs[i % 3] + prompt(1_000_000 + 10 * i, 4))
+    return tracker
+
+
+# FULL+SWA is left out: at this size its SWA pool runs out first, so the
+# documents lose their SWA window (the match stops there), not their FULL KV,
+# and no FULL ghost is left.
+@pytest.mark.parametrize("shape", ["full", "swa_mamba"])
+def test_hot_shared_documents_shrink_protection_under_auto(shape):
+    h = SHAPES[shape](num_tokens=1024)
+    h.cache.session_ref_tracker.configure_protection(AUTO, AUTO)
+    tracker = _idle_sessions_and_hot_documents(h)
+    policy = tracker.policy
+    assert policy.scale.shrank > 0 and policy.scale.scale < 1.0
+    assert policy.effective_fraction == pytest.approx(AUTO_FRACTION_CEILING * policy.scale.scale)
+    assert tracker.components[FULL].ref_units <= policy.limits[FULL]
+    snap = h.cache.session_metrics()
+    assert snap["effective_protected_fraction"] == policy.effective_fraction
+    assert snap["protection_scale_shrank"] == policy.scale.shrank
+    h.cache.validate_session_state()
+    h.check()
+
+
+def test_fixed_fraction_keeps_its_bound():
+    h = SHAPES["full"](num_tokens=1024)
+    h.cache.session_ref_tracker.configure_protection(0.9, AUTO)
+    tracker = _idle_sessions_and_hot_documents(h)
+    assert tracker.policy.scale.scale == 1.0 and not tracker.policy.scale.ghosts
+    assert tracker.policy.effective_fraction == 0.9
+    h.cache.validate_session_state()
+
+
+def test_scale_decisions_follow_events_not_clocks():
+    outcomes = []
+    for offset in (0.0, 4242.0):
+        h = SHAPES["full"](num_tokens=1024)
+        tracker = h.cache.session_ref_tracker
+        tracker.clock = lambda offset=offset: offset
+        tracker.configure_protection(AUTO, AUTO)
+        _idle_sessions_and_hot_documents(h)
+        outcomes.append((tracker.policy.scale.scale, tracker.policy.scale.shrank,
+                         sorted(s for s in tracker.open_sessions()
+                                if tracker.session_leaves(s, FULL))))
+    assert outcomes[0] == outcomes[1]
