@@ -1,7 +1,7 @@
 """``ServerArgs`` plumbing for the protection policy options
 (``protection_policy.py``):
 
-* ``--session-radix-cache-max-protected-fraction auto|F`` (``0 < F <= 1``, default 0.9)
+* ``--session-radix-cache-max-protected-fraction auto|F`` (``0 < F <= 1``, default ``auto``)
 * ``--session-radix-cache-protect-from-turn auto|N`` (``N >= 1``, default ``auto``)
 
 Both are CLI flags and ``ServerArgs(...)`` / ``sglang.Engine(...)`` keywords,
@@ -35,9 +35,9 @@ _OPTIONS = (
     (FRACTION_FIELD, FRACTION_FLAG, normalize_fraction, "{auto,F}",
      "Most of each KV pool (share, 0 < F <= 1) that session references may "
      "protect; past it, protection is withdrawn from the least recently active "
-     "sessions first (their KV stays cached). 'auto': up to 0.9, shrunk while "
-     "requests miss unreferenced KV that protection pushed out (for untagged "
-     "traffic that shares hot prefixes). "
+     "sessions first (their KV stays cached). 'auto': up to 0.9, learned from "
+     "the misses protection causes (unreferenced KV it pushed out) and the "
+     "hits it saves (returning sessions). "
      f"Default: {DEFAULT_MAX_PROTECTED_FRACTION}. Needs --enable-session-radix-cache."),
     (FROM_TURN_FIELD, FROM_TURN_FLAG, normalize_from_turn, "{auto,N}",
      "A session's KV is protected from its N-th request on (2: conversations "

@@ -11,6 +11,10 @@ ARC's ghost lists:
 * While references exist, each **unreferenced** FULL node evicted from the
   device leaves a *ghost*: its place (parent node and first page, as the
   tree keys children) and its size.  Ghosts are bounded to one pool of tokens, oldest dropped first.
+* A returning session that reuses its referenced KV after a whole pool of
+  unreferenced KV was evicted since its last registration was saved by
+  protection (plain LRU would have evicted it): the scale grows by what it
+  reused.
 * When a request's device match stops exactly where a ghost was (same parent,
   same next tokens), the request missed KV that protection pushed out:
   - from a session that has **returned** (its second request or later), the
@@ -34,6 +38,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional
 
+#: Leading tokens a ghost keeps to measure a hit: the tree keys children by
+#: their first page only, and a request may share only the start of an
+#: evicted node (a one-shot prompt's template, not its body).  A request that
+#: agrees on all of them is counted as missing the whole node.
+GHOST_CHECK_TOKENS = 256
 #: Ghosts kept, as a share of the pool (measured: 1.0 beat 0.3, 0.1 and
 #: 0.03 on the shared-documents workload; smaller windows miss the documents).
 GHOST_BUDGET = 1.0
@@ -45,6 +54,14 @@ def ghost_key(parent_id: int, tokens, page: int = 1) -> tuple:
     return (parent_id, tuple(tokens[:page]))
 
 
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
 class ProtectionScale:
     def __init__(self, page: int = 1):
         self.page = page
@@ -53,6 +70,10 @@ class ProtectionScale:
         self.budget = 0  # most ghost tokens kept
         self.ghosts: OrderedDict = OrderedDict()
         self.ghost_tokens = 0
+        # unreferenced FULL tokens evicted while references held other KV
+        # (monotonic): a session whose KV sat untouched while a whole pool of
+        # it went would have lost that KV under plain LRU
+        self.evicted_tokens = 0
         # monotonic counters
         self.grew = 0  # ghost hits by returning sessions
         self.shrank = 0  # ghost hits by other requests
@@ -71,19 +92,24 @@ class ProtectionScale:
         self.ghosts.clear()
         self.ghost_tokens = 0
 
-    def evicted(self, parent_id: int, node_id: int, tokens, size: int) -> None:
+    def evicted(self, parent_id: int, node_id: int, tokens, size: int,
+                state: bool = True, whole_only: bool = False) -> None:
+        """``state``: the node could end a match (Mamba: it held a state);
+        ``whole_only``: a match cannot end inside it (Mamba caches)."""
         if not self.capacity or size <= 0:
             return
+        self.evicted_tokens += size
         key = ghost_key(parent_id, tokens, self.page)
         old = self.ghosts.pop(key, None)
-        self.ghosts[key] = (size, node_id)
+        self.ghosts[key] = (size, node_id, tokens[:min(size, GHOST_CHECK_TOKENS)],
+                            state, whole_only)
         self.ghost_tokens += size - (old[0] if old else 0)
         self._trim()
 
     def _trim(self) -> None:
         ghosts = self.ghosts
         while self.ghost_tokens > self.budget and ghosts:
-            _, (size, _) = ghosts.popitem(last=False)
+            _, (size, *_) = ghosts.popitem(last=False)
             self.ghost_tokens -= size
 
     def missed(self, parent_id: int, tokens, returning: bool) -> bool:
@@ -94,16 +120,28 @@ class ProtectionScale:
             return False
         # Follow the evicted chain (leaves go first, then their parents), so
         # the miss counts all the KV the request lost, not just its top node.
-        lost = 0
+        # Only what the request could have reused counts: up to the deepest
+        # evicted node that could end a match (Mamba: one with a state).
+        lost = counted = 0
         while True:
-            ghost = ghosts.pop(ghost_key(parent_id, tokens[lost:], self.page), None)
+            key = ghost_key(parent_id, tokens[lost:], self.page)
+            ghost = ghosts.get(key)
             if ghost is None:
                 break
-            size, parent_id = ghost
+            size, parent_id, head, state, whole_only = ghost
+            del ghosts[key]
             self.ghost_tokens -= size
+            same = _common_prefix(head, tokens[lost:lost + len(head)])
+            if same < len(head):  # the request leaves the evicted node early
+                if not whole_only:
+                    counted = lost + same
+                break
             lost += size
+            if state:
+                counted = lost
             if lost >= len(tokens):
                 break
+        lost = counted
         if not lost:
             return False
         step = lost / self.capacity
@@ -116,10 +154,19 @@ class ProtectionScale:
         self.scale = max(0.0, self.scale - step)
         return self.scale < old
 
+    def saved(self, tokens: int, evicted_since: int) -> None:
+        """A returning session reused ``tokens`` under its reference, after
+        ``evicted_since`` unreferenced tokens were evicted since it was last
+        registered: from a whole pool on, plain LRU would have evicted them,
+        so protection saved them and the scale grows."""
+        if self.capacity and tokens > 0 and evicted_since >= self.capacity:
+            self.grew += 1
+            self.scale = min(1.0, self.scale + tokens / self.capacity)
+
     def validate(self) -> Optional[str]:
         if not 0.0 <= self.scale <= 1.0:
             return f"scale {self.scale} outside [0, 1]"
-        total = sum(size for size, _ in self.ghosts.values())
+        total = sum(g[0] for g in self.ghosts.values())
         if self.ghost_tokens != total:
             return f"ghost tokens {self.ghost_tokens} != {total}"
         if self.ghost_tokens > self.budget:

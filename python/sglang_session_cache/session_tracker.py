@@ -61,6 +61,8 @@ REQ_INFLIGHT_ATTR = "session_ref_inflight"
 #: share one counter, advanced only by scheduler-ordered events, so every
 #: TP/PP rank computes the same numbers (no clock involved).
 REQ_ARRIVAL_ATTR = "session_ref_arrival"
+# Set once the learned protection scale has seen the request's match.
+REQ_SCALE_SEEN_ATTR = "session_ref_scale_seen"
 #: Set on a ``Req`` whose KV is released on a failure path before SGLang marks
 #: it aborted (PD transfer/bootstrap failures): it registers nothing.
 REQ_ABORTING_ATTR = "session_ref_aborting"
@@ -326,24 +328,30 @@ class UnifiedSessionRefTracker:
         """A scheduler match for ``req``: did it stop where unreferenced KV
         was evicted while protection held other KV?"""
         policy = self.policy
-        if not policy.scale.ghosts:
+        if not policy.scale.capacity or getattr(req, REQ_SCALE_SEEN_ATTR, False):
             return
+        # Once per request: the scheduler may match a queued request again.
+        setattr(req, REQ_SCALE_SEEN_ATTR, True)
         tokens = key.token_ids
         matched = len(result.device_indices)
-        end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
-        node = result.last_device_node
-        if matched >= end or node is None:
-            return
         sid = plain_session_id(session_id_of(req))
         returning = sid is not None and policy.turns.get(sid, 0) >= 2
+        if returning and matched:
+            policy.on_session_reuse(sid, matched)
+        end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
+        node = result.last_device_node
+        if matched >= end or node is None or not policy.scale.ghosts:
+            return
         policy.on_ghost_miss(node.id, tokens[matched:end], returning, self.components)
 
     def on_unreferenced_evict(self, node) -> None:
         """An unreferenced FULL node's device KV is being evicted."""
         full = self.components.get(0)
         if full is not None and full.ref_units and node.parent is not None:
+            mamba = self.components.get(2)
+            state = mamba is None or node.component_data[2].value is not None
             self.policy.scale.evicted(node.parent.id, node.id, node.key.token_ids,
-                                      len(node.key))
+                                      len(node.key), state, mamba is not None)
 
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""

@@ -220,9 +220,11 @@ def _wrap_evict_component(orig):
                 refs.referenced_evictions[ct] += 1
                 refs.referenced_evicted_tokens[ct] += freed[0]
             return freed
-        if comp.component_type == full_ct and int(target) & device and cd.value is not None:
+        if (refs.policy.scale.capacity and comp.component_type == full_ct
+                and int(target) & device and cd.value is not None):
             # Unreferenced KV going while references hold other KV: a ghost
-            # for the learned protection scale (protection_scale.py).
+            # for the learned protection scale (protection_scale.py; only
+            # with --session-radix-cache-max-protected-fraction auto).
             guarded(refs.on_unreferenced_evict, node)
         return orig(self, node, comp, target=target, tracker=tracker)
 
@@ -233,7 +235,7 @@ def _wrap_match_prefix(orig):
     def match_prefix(self, params):
         result = orig(self, params)
         tracker = self.session_ref_tracker
-        if tracker is not None:
+        if tracker is not None and tracker.policy.scale.capacity:
             req = getattr(params, "req", None)
             if req is not None:  # a scheduler match, not a lookup
                 guarded(tracker.on_match, req, params.key, result)

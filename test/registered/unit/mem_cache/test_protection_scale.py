@@ -49,6 +49,39 @@ def test_a_miss_counts_the_whole_evicted_chain():
     assert not s.ghosts and s.ghost_tokens == 0
 
 
+def test_a_request_sharing_only_the_start_of_an_evicted_node_counts_that_start():
+    """A one-shot prompt (template + unique body) evicted as one node: the
+    next one-shot with the same template lost only the template."""
+    s = ProtectionScale()
+    s.configure(1000)
+    s.evicted(1, 2, list(range(100)), 100)
+    s.missed(1, list(range(10)) + [777] * 50, returning=False)
+    assert s.scale == pytest.approx(1 - 10 / 1000)
+
+
+def test_mamba_ghosts_count_up_to_the_deepest_state():
+    s = ProtectionScale()
+    s.configure(1000)
+    s.evicted(7, 8, [3] * 10, 10, state=True, whole_only=True)  # leaf with a state
+    s.evicted(1, 7, [2] * 5, 5, state=False, whole_only=True)  # its parent: none
+    s.missed(1, [2] * 5 + [3] * 10, returning=False)
+    assert s.scale == pytest.approx(1 - 15 / 1000)
+    s.evicted(7, 8, [3] * 10, 10, state=True, whole_only=True)
+    s.evicted(1, 7, [2] * 5, 5, state=False, whole_only=True)
+    s.missed(1, [2] * 5 + [3] * 4 + [9], returning=False)  # leaves the leaf early
+    assert s.scale == pytest.approx(1 - 15 / 1000)  # nothing it could reuse
+
+
+def test_sessions_saved_by_protection_grow_the_scale():
+    s = ProtectionScale()
+    s.configure(1000)
+    s.scale = 0.5
+    s.saved(200, evicted_since=999)  # plain LRU might still have kept it
+    assert s.scale == 0.5
+    s.saved(200, evicted_since=1000)  # a whole pool went by: LRU would not
+    assert s.scale == pytest.approx(0.7) and s.grew == 1
+
+
 def test_ghosts_are_bounded_by_the_pool_and_clamped():
     s = ProtectionScale()
     s.configure(100)
@@ -70,7 +103,8 @@ def test_fixed_fraction_learns_nothing():
 
 def test_option_values():
     assert normalize_fraction("auto") == AUTO
-    assert normalize_fraction(None) == 0.9  # the default stays fixed
+    assert normalize_fraction(None) == AUTO  # the default
+    assert normalize_fraction("0.5") == 0.5
 
 
 # ---- on the real cache -----------------------------------------------------------------
@@ -98,9 +132,8 @@ def _idle_sessions_and_hot_documents(h):
 # FULL+SWA is left out: at this size its SWA pool runs out first, so the
 # documents lose their SWA window (the match stops there), not their FULL KV,
 # and no FULL ghost is left.
-@pytest.mark.parametrize("shape", ["full", "swa_mamba"])
-def test_hot_shared_documents_shrink_protection_under_auto(shape):
-    h = SHAPES[shape](num_tokens=1024)
+def test_hot_shared_documents_shrink_protection_under_auto():
+    h = SHAPES["full"](num_tokens=1024)
     h.cache.session_ref_tracker.configure_protection(AUTO, AUTO)
     tracker = _idle_sessions_and_hot_documents(h)
     policy = tracker.policy
@@ -112,6 +145,17 @@ def test_hot_shared_documents_shrink_protection_under_auto(shape):
     assert snap["protection_scale_shrank"] == policy.scale.shrank
     h.cache.validate_session_state()
     h.check()
+
+
+def test_mamba_counts_only_what_a_match_could_have_ended_on():
+    """SGLang 0.5.16 keeps Mamba states only where an insert ended, so a
+    one-shot cannot reuse a shared document's node (no state at its end):
+    losing it costs nothing and does not shrink the scale."""
+    h = SHAPES["swa_mamba"](num_tokens=1024)
+    h.cache.session_ref_tracker.configure_protection(AUTO, AUTO)
+    tracker = _idle_sessions_and_hot_documents(h)
+    assert tracker.policy.scale.shrank == 0 and tracker.policy.scale.scale == 1.0
+    h.cache.validate_session_state()
 
 
 def test_fixed_fraction_keeps_its_bound():
