@@ -358,6 +358,8 @@ class RunStats:
     sessions_closed: int = 0  # closes that ended an open session
     released_refs: int = 0
     request_seconds: float = 0.0
+    # Cache work of every event (requests, closes, clock ticks).
+    event_seconds: float = 0.0
     seconds: float = 0.0
     stream_digest: str = ""
     issues: list = field(default_factory=list)
@@ -442,6 +444,21 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
     """Run ``trace`` once on a fresh cache, in trace time (each event's
     ``time`` is the session cache's clock, so ``ttl`` expires idle sessions
     as the trace unfolds); see the module doc for metrics."""
+    steps = replay_steps(trace, shape, pool_tokens, enable_session, check_every, ttl)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
+                 check_every: int = 0, ttl: Optional[float] = None,
+                 timer=time.perf_counter):
+    """``replay`` one event at a time: a generator that yields after every
+    trace event and returns the ``RunStats`` (``StopIteration.value``), so
+    two caches can replay the same trace in lockstep (``request_cost``).
+    ``timer`` times the cache work of each event (``RunStats.event_seconds``)."""
     summary = trace.summary()
     h = make_harness(shape, pool_tokens, enable_session,
                      max_context_len=summary["max_request_tokens"] + 8)
@@ -455,19 +472,20 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
     open_ids: set = set()
     t_run = time.perf_counter()
     for ev in trace.events:
+        yield
+        t_ev = timer()
         clock.advance(ev.time)
         if isinstance(ev, TraceClose):
+            stats.released_refs += cache.release_radix_session(ev.session_id) or 0
+            stats.event_seconds += timer() - t_ev
             stats.closes += 1
             stats.sessions_closed += ev.session_id in open_ids
             open_ids.discard(ev.session_id)
-            stats.released_refs += cache.release_radix_session(ev.session_id) or 0
             prev_prompt_len.pop(ev.session_id, None)
             digest.update(b"C" + ev.session_id.encode())
             continue
         sid = ev.session_id
-        if sid is not None:
-            open_ids.add(sid)
-        t0 = time.perf_counter()
+        t0 = timer()
         req = h.new_req(ev.prompt, session_id=sid, output_ids=ev.output)
         # A request "arrives": the scheduler stamps its session generation.
         cache.ensure_session_generation(req)
@@ -477,12 +495,17 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
             h.decode(req, n_out - 1)
         h.finish(req)
         if ev.close:
+            stats.released_refs += cache.release_radix_session(sid) or 0
+        t1 = timer()
+        stats.request_seconds += t1 - t0
+        stats.event_seconds += t1 - t_ev
+
+        if sid is not None:
+            open_ids.add(sid)
+        if ev.close:
             stats.closes += 1
             stats.sessions_closed += 1
             open_ids.discard(sid)
-            stats.released_refs += cache.release_radix_session(sid) or 0
-        stats.request_seconds += time.perf_counter() - t0
-
         digest.update(b"R" + (sid or "").encode() + b"\0")
         digest.update(req.origin_input_ids.tobytes())
         digest.update(n_out.to_bytes(4, "little"))
