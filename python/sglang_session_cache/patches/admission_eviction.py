@@ -27,6 +27,12 @@ from __future__ import annotations
 from sglang_session_cache.patches._wrap import wrap_method
 
 
+#: Per-cache decision, set once when session tracking attaches (the allocator
+#: type and the chunk-cache kind never change afterwards): this runs before
+#: every allocation, decode steps included, so it must cost one attribute read.
+SHORTFALL_ATTR = "_session_shortfall_rule"
+
+
 def shortfall_rule_applies(tree_cache) -> bool:
     """The session flag is on for this cache and it has a standard allocator."""
     if tree_cache is None or getattr(tree_cache, "session_ref_tracker", None) is None:
@@ -40,11 +46,11 @@ def shortfall_rule_applies(tree_cache) -> bool:
 
 
 def _wrap_evict_from_tree_cache(orig):
-    def evict_from_tree_cache(tree_cache, num_tokens):
-        if not shortfall_rule_applies(tree_cache):
-            return orig(tree_cache, num_tokens)
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
+    def evict_from_tree_cache(tree_cache, num_tokens):
+        if not getattr(tree_cache, SHORTFALL_ATTR, False):
+            return orig(tree_cache, num_tokens)
         shortfall = num_tokens - tree_cache.token_to_kv_pool_allocator.available_size()
         if shortfall > 0:
             tree_cache.evict(EvictParams(num_tokens=shortfall))

@@ -53,6 +53,12 @@ def attach_session_tracking(cache) -> None:
         cache, on_ref_change=functools.partial(_on_ref_change, cache)
     )
     _install_partitioned_lrus(cache)
+    from sglang_session_cache.patches.admission_eviction import (
+        SHORTFALL_ATTR,
+        shortfall_rule_applies,
+    )
+
+    setattr(cache, SHORTFALL_ATTR, shortfall_rule_applies(cache))
     from sglang_session_cache.session_eviction import SessionAwareFullComponent
 
     if not isinstance(cache.components.get(0), SessionAwareFullComponent):
