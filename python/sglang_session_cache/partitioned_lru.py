@@ -54,69 +54,83 @@ class PartitionedLRUList(UnifiedLRUList):
     def is_referenced(self, node: UnifiedTreeNode) -> bool:
         return node.component_data[self.component_type].session_ref > 0
 
-    def _partition_head(self, node: UnifiedTreeNode) -> UnifiedTreeNode:
-        return self.head if self.is_referenced(node) else self.mid
-
     # Stamps live on the node, one slot per list pointer slot (device and
     # host lists of every component), so they vanish with the node.
-    def _set_stamp(self, node: UnifiedTreeNode, stamp: int) -> None:
-        slots = node.__dict__.get("lru_stamp")
-        if slots is None:
-            slots = node.lru_stamp = [0] * len(node.lru_prev)
-        slots[self._pt] = stamp
-
     def stamp_of(self, node: UnifiedTreeNode) -> int:
         return node.lru_stamp[self._pt]
 
     # insert_mru / reset_node_mru both go through _add_node: an MRU placement.
     def _add_node(self, node: UnifiedTreeNode):
+        pt = self._pt
         self._clock += 1
-        self._set_stamp(node, self._clock)
-        self._add_node_after(self._partition_head(node), node)
+        stamps = node.__dict__.get("lru_stamp")
+        if stamps is None:
+            stamps = node.lru_stamp = [0] * len(node.lru_prev)
+        stamps[pt] = self._clock
+        prev = (
+            self.head
+            if node.component_data[self.component_type].session_ref > 0
+            else self.mid
+        )
+        nxt = prev.lru_next[pt]
+        node.lru_prev[pt] = prev
+        node.lru_next[pt] = nxt
+        nxt.lru_prev[pt] = node
+        prev.lru_next[pt] = node
 
-    def _stamp_chain(self, placed: list) -> None:
-        # A chain placed front-to-back is newest first: decreasing stamps,
-        # all newer than anything stamped before.
-        self._clock += len(placed)
-        for i, n in enumerate(placed):
-            self._set_stamp(n, self._clock - i)
-
-    def _refresh_chain(self, nodes) -> None:
+    def _refresh_chain(self, nodes: list) -> None:
         """Move ``nodes`` (newest first) to the front of their partitions,
-        keeping their relative order, as the stock chain refreshes do."""
-        prev = {True: self.head, False: self.mid}
-        placed = []
+        keeping their relative order, as the stock chain refreshes do.  A
+        chain placed front-to-back is newest first: decreasing stamps, all
+        newer than anything stamped before.  (Runs on every match and insert
+        of the SWA/Mamba walks: plain loop, links inlined.)"""
+        if not nodes:
+            return
+        pt = self._pt
+        ct = self.component_type
+        cache = self.cache
+        prev_ref, prev_unref = self.head, self.mid
+        clock = self._clock + len(nodes)
+        self._clock = clock
         for node in nodes:
-            assert node.id in self.cache
-            self._remove_node(node)
-            side = self.is_referenced(node)
-            self._add_node_after(prev[side], node)
-            prev[side] = node
-            placed.append(node)
-        self._stamp_chain(placed)
+            assert node.id in cache
+            prevs, nexts = node.lru_prev, node.lru_next
+            p, n = prevs[pt], nexts[pt]
+            p.lru_next[pt] = n
+            n.lru_prev[pt] = p
+            if node.component_data[ct].session_ref > 0:
+                p = prev_ref
+                prev_ref = node
+            else:
+                p = prev_unref
+                prev_unref = node
+            n = p.lru_next[pt]
+            prevs[pt] = p
+            nexts[pt] = n
+            n.lru_prev[pt] = node
+            p.lru_next[pt] = node
+            node.lru_stamp[pt] = clock
+            clock -= 1
 
     def reset_node_and_parents_mru(self, node, root_node, should_include):
-        def path():
-            cur = node
-            while cur != root_node:
-                if should_include(cur):
-                    yield cur
-                cur = cur.parent
-
-        self._refresh_chain(path())
+        chain = []
+        while node is not root_node:
+            if should_include(node):
+                chain.append(node)
+            node = node.parent
+        self._refresh_chain(chain)
 
     def reset_node_and_window_ancestors_mru(
         self, node, root_node, window_size, should_include
     ):
-        def window():
-            cur, accumulated = node, 0
-            while cur != root_node and accumulated < window_size:
-                if should_include(cur):
-                    yield cur
-                accumulated += len(cur.key)
-                cur = cur.parent
-
-        self._refresh_chain(window())
+        chain = []
+        accumulated = 0
+        while node is not root_node and accumulated < window_size:
+            if should_include(node):
+                chain.append(node)
+            accumulated += len(node.key)
+            node = node.parent
+        self._refresh_chain(chain)
 
     # ---- partition moves ----
 

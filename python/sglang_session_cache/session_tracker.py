@@ -236,14 +236,17 @@ class UnifiedSessionRefTracker:
             self.idle.touch(sid)
         return gen
 
-    def _open(self, sid: str, new_generation: bool = False) -> int:
+    def _open(self, sid: str, new_generation: bool = False, touch: bool = True) -> int:
+        """``touch=False``: the caller records the activity itself (an
+        arrival), so an already open session is not touched twice."""
         gen = self.generations.get(sid)
         if gen is not None:
             if new_generation:
                 gen = self.generations[sid] = next(self._next_generation)
                 logger.debug("session %s re-opened (generation %d)", describe_id(sid), gen)
-            self.idle.touch(sid)
-            self._touch(sid)
+            if touch:
+                self.idle.touch(sid)
+                self._touch(sid)
             return gen
         self._make_room(len(sid))
         self._forget_tombstone(sid)
@@ -290,13 +293,15 @@ class UnifiedSessionRefTracker:
         raw = session_id_of(req)
         if raw is None or _is_streaming(req) or _is_aborted(req):
             return None
-        sid = check_session_id(raw)
+        sid = self._checked_id(raw)
         if sid in self.streaming:
             return None
         existing = getattr(req, REQ_GENERATION_ATTR, None)
         if existing is not None and getattr(req, REQ_INFLIGHT_ATTR, None) is not None:
             return existing  # counted already (e.g. a retracted request requeued)
-        gen = self._open(sid) if existing is None else self.generations.get(sid)
+        # A fresh stamp always records the arrival below: no touch in _open.
+        gen = (self._open(sid, touch=False) if existing is None
+               else self.generations.get(sid))
         if existing is None:
             setattr(req, REQ_GENERATION_ATTR, gen)
             setattr(req, REQ_ARRIVAL_ATTR, next(self._next_event))
@@ -309,6 +314,14 @@ class UnifiedSessionRefTracker:
             self.idle.arrive(sid)
             self._touch(sid)
         return getattr(req, REQ_GENERATION_ATTR)
+
+    def _checked_id(self, raw: Any) -> str:
+        """``raw`` as a plain id.  An open id passed the check when it was
+        opened, so only unknown ids are checked (every arrival would
+        otherwise scan the id's characters again)."""
+        if type(raw) is str and raw in self.generations:
+            return raw
+        return check_session_id(raw)
 
     def request_finished(self, req: Req) -> None:
         """The request left the scheduler (finished, aborted or retracted):
@@ -369,6 +382,11 @@ class UnifiedSessionRefTracker:
         for the request's session.  Returns whether a reference was added."""
         if not self.should_register(req):
             return False
+        return self.register_checked(req, leaf)
+
+    def register_checked(self, req: Req, leaf) -> bool:
+        """``register_session_ref`` for a request ``should_register`` already
+        accepted (the finish hook checks before the insert)."""
         sid = plain_session_id(session_id_of(req))
         if leaf is None or leaf is self.cache.root_node or leaf.parent is None:
             return False

@@ -131,9 +131,17 @@ def _wrap_reset_full(orig):
 
 
 def _wrap_cache_finished_req(orig):
+    from sglang_session_cache.session_tracker import REQ_INFLIGHT_ATTR
+
     def cache_finished_req(self, req, is_insert=True, *, kv_len_to_handle, **kwargs):
         tracker = self.session_ref_tracker
-        if tracker is None:
+        if tracker is None or (
+            # No session of any kind and never counted in flight: nothing to
+            # register or finish (plain attribute reads, nothing that can raise).
+            getattr(req, "session_id", None) is None
+            and getattr(req, "session", None) is None
+            and getattr(req, REQ_INFLIGHT_ATTR, None) is None
+        ):
             return orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
         register = is_insert and guarded(tracker.should_register, req)
         if not register:
@@ -149,7 +157,7 @@ def _wrap_cache_finished_req(orig):
         # The session-aware FULL component recorded where the insert ended;
         # registered only after the insert (and the whole finish) succeeded.
         if capture and capture[-1] is not None:
-            guarded(tracker.register_session_ref, req, capture[-1])
+            guarded(tracker.register_checked, req, capture[-1])
         guarded(tracker.request_finished, req)
         return out
 
