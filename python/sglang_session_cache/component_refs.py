@@ -266,7 +266,8 @@ class ComponentSessionRefs(ABC):
 
         A deleted node is a childless leaf, so only its own sessions cover it:
         its counts are dropped wholesale instead of one by one."""
-        cd = node.component_data[self.ct]
+        ct = self.ct
+        cd = node.component_data[ct]
         sids = cd.session_leaf_of
         if not sids:
             return
@@ -278,23 +279,30 @@ class ComponentSessionRefs(ABC):
         else:
             target = self._nearest_reusable_ancestor(node)
         cd.session_leaf_of = None
-        handover_free = self.parent_handover_free
+        # FULL handing a deleted leaf to its parent changes no count.
+        counts_move = not (self.parent_handover_free and node_deleted and target is parent)
+        leaves = self.leaves
         for sid in sids:
-            idx = self.leaves[sid]
+            idx = leaves[sid]
             turn = idx.pop(node)
-            fresh = target is not None and target not in idx
+            fresh = False
             if target is not None:
                 # A leaf reached twice keeps its newest registration.
-                idx[target] = max(turn, idx.get(target, turn))
-            if fresh:
-                tcd = target.component_data[self.ct]
-                if tcd.session_leaf_of is None:
-                    tcd.session_leaf_of = set()
-                tcd.session_leaf_of.add(sid)
-            if not (handover_free and node_deleted and target is parent):
+                old = idx.get(target)
+                if old is None:
+                    fresh = True
+                    idx[target] = turn
+                    tcd = target.component_data[ct]
+                    if tcd.session_leaf_of is None:
+                        tcd.session_leaf_of = {sid}
+                    else:
+                        tcd.session_leaf_of.add(sid)
+                elif turn > old:
+                    idx[target] = turn
+            if counts_move:
                 self._move_cover(sid, node, target if fresh else None, node_deleted)
             if not idx:
-                del self.leaves[sid]
+                del leaves[sid]
         if node_deleted:
             self._clear_node(node)
 
@@ -546,6 +554,45 @@ class FullSessionRefs(ComponentSessionRefs):
             self._bump(n, -1)
         return True
 
+    def discard_deleted_session_leaf(self, node, node_deleted=True):
+        # The eviction case, on every referenced leaf FULL deletes: the leaf
+        # hands its sessions to a parent that still holds KV.  The parent's
+        # path is the same path, so only the index and the leaf's own count
+        # change; anything else takes the general route.
+        cd = node.component_data[0]
+        sids = cd.session_leaf_of
+        if not sids:
+            return
+        parent = node.parent
+        if (
+            not node_deleted
+            or node.children
+            or parent is None
+            or parent is self.cache.root_node
+        ):
+            return super().discard_deleted_session_leaf(node, node_deleted)
+        pcd = parent.component_data[0]
+        if pcd.value is None and pcd.host_value is None:
+            return super().discard_deleted_session_leaf(node, node_deleted)
+        cd.session_leaf_of = None
+        leaves = self.leaves
+        reverse = pcd.session_leaf_of
+        for sid in sids:
+            idx = leaves[sid]
+            turn = idx.pop(node)
+            old = idx.get(parent)
+            if old is None:
+                idx[parent] = turn
+                if reverse is None:
+                    reverse = pcd.session_leaf_of = set()
+                reverse.add(sid)
+            elif turn > old:  # a leaf reached twice keeps its newest registration
+                idx[parent] = turn
+        if cd.session_ref:
+            self.ref_units -= len(node.key)
+        cd.session_ref = 0
+        node.full_session_ref = 0
+
     def _move_cover(self, sid, node, target, node_deleted):
         # ``target`` (when given) is an ancestor already in the index, so the
         # shared-path search sees it; moving to the parent changes nothing
@@ -723,6 +770,28 @@ class MambaSessionRefs(ComponentSessionRefs):
 
     def units(self, node):
         return 1  # one state per referenced node
+
+    def discard_deleted_session_leaf(self, node, node_deleted=True):
+        # The eviction case: no ancestor holds a state (SGLang keeps them
+        # where inserts ended), so every reference on the node just goes --
+        # its count drops to zero in one step.
+        cd = node.component_data[self.ct]
+        sids = cd.session_leaf_of
+        if not sids:
+            return
+        if self._nearest_reusable_ancestor(node) is not None:
+            return super().discard_deleted_session_leaf(node, node_deleted)
+        cd.session_leaf_of = None
+        leaves = self.leaves
+        for sid in sids:
+            idx = leaves[sid]
+            del idx[node]
+            if not idx:
+                del leaves[sid]
+        if node_deleted and not node.children:
+            self._clear_node(node)
+        else:
+            self._bump(node, -len(sids))
 
     def account_split(self, new_parent, child):
         return  # the child keeps its state; the new upper node has none

@@ -86,26 +86,27 @@ def cascade_blocked(cache, node, trigger, host: bool = False) -> bool:
     """Would evicting ``trigger``'s data on ``node`` (its host copy with
     ``host``) drop a referenced component whose own (internal) priority is at
     least the trigger's, while the trigger's data itself is unreferenced?"""
-    ct = trigger.component_type
-    if node.component_data[ct].session_ref > 0:
+    cds = node.component_data
+    if cds[trigger.component_type].session_ref > 0:
         return False
-    if host:
-        is_leaf = node in cache.evictable_host_leaves
-        layer = EvictLayer.HOST
-    else:
-        is_leaf = node in cache.evictable_device_leaves
-        layer = EvictLayer.DEVICE
-    trigger_internal = trigger.eviction_priority(is_leaf=False)
-    trigger_now = trigger.eviction_priority(is_leaf)
+    layer = None
     for comp in cache._components_tuple:
-        if comp is trigger:
-            continue
+        if comp is trigger or cds[comp.component_type].session_ref <= 0:
+            continue  # only a referenced component can block
+        if layer is None:  # the node's leaf state, once, when it matters
+            if host:
+                is_leaf = node in cache.evictable_host_leaves
+                layer = EvictLayer.HOST
+            else:
+                is_leaf = node in cache.evictable_device_leaves
+                layer = EvictLayer.DEVICE
+            trigger_internal = trigger.eviction_priority(is_leaf=False)
+            trigger_now = trigger.eviction_priority(is_leaf)
         if comp.eviction_priority(is_leaf) > trigger_now:
             continue  # not taken along by this eviction
         if comp.eviction_priority(is_leaf=False) < trigger_internal:
             continue  # lower tier: cascading it is the normal rule
-        cd = node.component_data[comp.component_type]
-        if cd.session_ref > 0 and comp.node_has_component_data(node, layer):
+        if comp.node_has_component_data(node, layer):
             return True
     return False
 

@@ -154,6 +154,8 @@ class UnifiedSessionRefTracker:
     counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
     components: dict = dataclasses.field(default_factory=dict)
     relocating_components: tuple = ()
+    # (component type, refs) pairs, for the per-node hooks (set by reset()).
+    _refs_by_ct: tuple = ()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
     # Arrivals and registrations, in scheduler order (see REQ_ARRIVAL_ATTR).
@@ -200,6 +202,8 @@ class UnifiedSessionRefTracker:
             refs = make_component_refs(comp, notify)
             if refs is not None:
                 self.components[ct] = refs
+        # (component type, refs) pairs for the per-node hooks.
+        self._refs_by_ct = tuple(self.components.items())
         # Components whose references follow their data up the tree when it is
         # evicted in place; checked on every component eviction, by identity.
         self.relocating_components = tuple(
@@ -562,8 +566,8 @@ class UnifiedSessionRefTracker:
 
     def on_node_deleted(self, node) -> None:
         cds = node.component_data
-        for refs in self.components.values():
-            if cds[refs.ct].session_leaf_of:  # only session leaves move
+        for ct, refs in self._refs_by_ct:
+            if cds[ct].session_leaf_of:  # only session leaves move
                 refs.discard_deleted_session_leaf(node)
 
     def on_device_evict(self, node, ct) -> None:

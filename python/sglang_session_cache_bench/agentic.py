@@ -737,7 +737,7 @@ def _k(n: int) -> str:
     return f"{n / 1000:.1f}k" if n >= 10_000 else f"{n:,}"
 
 
-COST_BENCH = "python -m sglang_session_cache_bench.eviction_cost"
+COST_BENCH = "python -m sglang_session_cache_bench.request_cost"
 LEGEND = [
     "pool = FULL pool in tokens (%fp: share of the footprint); hit = reused "
     "prompt tokens / prompt tokens (device prefix match at admission);",

@@ -4,7 +4,9 @@ Builds real ``UnifiedRadixCache`` trees (FULL; FULL+SWA and FULL+Mamba for the
 two LRU walks) with 10k and 100k leaves, references 0 %, 50 % or 100 % of the leaves through
 the session tracker, then times single-leaf evictions. Off and on caches are
 measured alternately, eviction by eviction, and each cell's ratio is the
-median of the paired on/off ratios, so machine drift cancels out.
+median of the paired on/off ratios, so machine drift cancels out.  One pair
+of trees serves the three fractions of a size (references are added, cell by
+cell); torch runs one intra-op thread (as in the agentic benchmark).
 
     python -m sglang_session_cache_bench.eviction_cost [--nodes 10000,100000]
         [--components full,swa,mamba]
@@ -98,8 +100,10 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
     return count
 
 
-def evict_once(h, kind: str) -> float:
-    """Seconds for one single-token eviction.
+def evict_once(h, kind: str, clock=time.process_time) -> float:
+    """Seconds for one single-token eviction, in process CPU time (a shared
+    box preempts a millisecond-long FULL eviction now and then; CPU time
+    does not count that).
 
     FULL: the whole ``cache.evict`` call (0.5.16 rebuilds the leaf heap on
     every call). SWA / Mamba: that component's LRU walk alone —
@@ -110,9 +114,9 @@ def evict_once(h, kind: str) -> float:
     cache = h.cache
     if kind == "full":
         params = EvictParams(num_tokens=1)
-        start = time.perf_counter()
+        start = clock()
         cache.evict(params)
-        return time.perf_counter() - start
+        return clock() - start
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
 
     if kind == "mamba":
@@ -122,59 +126,88 @@ def evict_once(h, kind: str) -> float:
         comp = cache.components[ComponentType.SWA]
         params = EvictParams(num_tokens=0, swa_num_tokens=1)
     tracker = {ct: 0 for ct in cache.tree_components}
-    start = time.perf_counter()
+    start = clock()
     comp.drive_eviction(params, tracker)
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def run(nodes=(10_000, 100_000), kinds=("full", "swa"), rounds=5, seed=0) -> list[dict]:
+def run(nodes=(10_000, 100_000), kinds=("full", "swa", "mamba"), rounds=5, seed=0) -> list[dict]:
+    import gc
     import logging
 
+    import torch
+
     logging.getLogger("sglang").setLevel(logging.WARNING)
+    # The pools' index tensors pass 32k elements at 10k leaves: with more
+    # than one intra-op thread every allocator torch.cat then pays a thread
+    # hand-off, which made building a tree take 10-30x longer and swamped
+    # the evictions timed here.  Same setting for off and on.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     rows = []
-    for kind in kinds:
-        for n in nodes:
-            # Off and on alternate eviction by eviction (A B A B ...); each
-            # pair gives one ratio.  FULL costs O(leaves) per call, so fewer
-            # pairs are needed for a stable median at 100k.
-            pairs = rounds * (2 if kind == "full" and n >= 50_000 else 8 if kind == "full" else 100)
-            for frac in FRACTIONS:
-                # Fresh, identical trees per cell: both sides evict the same
-                # kind of nodes, so the ratio isolates the session machinery.
-                t0 = time.perf_counter()
-                off, leaves = build(kind, n, enable_session=False)
-                on, _ = build(kind, n, enable_session=True)
-                referenced = reference(on, leaves, frac, seed)
-                _log(f"[{kind} n={n} ref={frac:.0%}] built two trees in "
-                     f"{time.perf_counter() - t0:.1f}s")
-                offs, ons, ratios = [], [], []
-                for i in range(pairs):
-                    if i % 2:  # alternate who goes first
-                        b = evict_once(on, kind)
-                        a = evict_once(off, kind)
-                    else:
-                        a = evict_once(off, kind)
-                        b = evict_once(on, kind)
-                    offs.append(a)
-                    ons.append(b)
-                    ratios.append(b / a)
-                on.cache.validate_session_state()
-                row = {
-                    "component": kind,
-                    "nodes": n,
-                    "referenced_fraction": frac,
-                    "referenced_leaves": referenced,
-                    "off_us": statistics.median(offs) * 1e6,
-                    "on_us": statistics.median(ons) * 1e6,
-                    "ratio": statistics.median(ratios),
-                    "ratio_q1": statistics.quantiles(ratios, n=4)[0],
-                    "ratio_q3": statistics.quantiles(ratios, n=4)[2],
-                    "pairs": pairs,
-                }
-                rows.append(row)
-                _log(f"[{kind} n={n} ref={frac:.0%}] off {row['off_us']:.0f}us "
-                     f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f}")
-                del off, on
+    try:
+        for kind in kinds:
+            for n in nodes:
+                rows.extend(_cells(kind, n, rounds, seed, gc))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _cells(kind: str, n: int, rounds: int, seed: int, gc) -> list[dict]:
+    """The three referenced fractions of one (component, size), on one pair
+    of identical trees built once: each cell references more leaves of the
+    same trees (0 %, then 50 %, then 100 % of the leaves still there) and
+    evicts a few hundred of them at most, so both trees stay the same size."""
+    # Off and on alternate eviction by eviction (A B A B ...); each pair
+    # gives one ratio.  FULL costs O(leaves) per call, so fewer pairs are
+    # needed for a stable median at 100k.
+    pairs = rounds * (4 if kind == "full" and n >= 50_000 else 20 if kind == "full" else 100)
+    # Each pair evicts one leaf per tree: the three cells take at most 30 %.
+    pairs = max(4, min(pairs, n // 10))
+    t0 = time.perf_counter()
+    off, leaves = build(kind, n, enable_session=False)
+    on, _ = build(kind, n, enable_session=True)
+    _log(f"[{kind} n={n}] built two trees in {time.perf_counter() - t0:.1f}s")
+    rows = []
+    for frac in FRACTIONS:
+        referenced = reference(on, leaves, frac, seed)
+        # Everything built so far is long-lived: keep the cyclic collector's
+        # full passes off it, so a collection does not land in a timed
+        # eviction on one side.
+        gc.collect()
+        gc.freeze()
+        offs, ons, ratios = [], [], []
+        try:
+            for i in range(pairs):
+                if i % 2:  # alternate who goes first
+                    b = evict_once(on, kind)
+                    a = evict_once(off, kind)
+                else:
+                    a = evict_once(off, kind)
+                    b = evict_once(on, kind)
+                offs.append(a)
+                ons.append(b)
+                ratios.append(b / a)
+        finally:
+            gc.unfreeze()
+        on.cache.validate_session_state()
+        row = {
+            "component": kind,
+            "nodes": n,
+            "referenced_fraction": frac,
+            "referenced_leaves": referenced,
+            "off_us": statistics.median(offs) * 1e6,
+            "on_us": statistics.median(ons) * 1e6,
+            "ratio": statistics.median(ratios),
+            "ratio_q1": statistics.quantiles(ratios, n=4)[0],
+            "ratio_q3": statistics.quantiles(ratios, n=4)[2],
+            "pairs": pairs,
+        }
+        rows.append(row)
+        _log(f"[{kind} n={n} ref={frac:.0%}] off {row['off_us']:.0f}us "
+             f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f}")
+    del off, on
     return rows
 
 

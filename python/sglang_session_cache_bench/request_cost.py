@@ -41,6 +41,7 @@ from sglang_session_cache_bench.agentic import (
     replay_steps,
     resolve_sizes,
 )
+from sglang_session_cache.protection_policy import FROM_TURN_FIELD, normalize_from_turn
 from sglang_session_cache_bench.trace import GeneratorConfig, generate_trace, ideal_stats
 
 TARGET = 1.05
@@ -84,7 +85,7 @@ def lockstep(trace, shape: str, pool: int, first_on: bool) -> dict:
 
 
 def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
-        sessions=None) -> dict:
+        sessions=None, protect_from_turn=None) -> dict:
     import logging
 
     import torch
@@ -109,7 +110,10 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     saved = harness.SESSION_SERVER_ARGS
-    harness.SESSION_SERVER_ARGS = {}  # the server defaults of the session flags
+    # The server defaults of the session flags, unless a turn is given.
+    harness.SESSION_SERVER_ARGS = (
+        {} if protect_from_turn is None
+        else {FROM_TURN_FIELD: normalize_from_turn(protect_from_turn)})
     rows = []
     try:
         for shape in shapes:
@@ -142,14 +146,16 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
         torch.set_num_threads(threads)
         harness.release_server_args()
     return {"requests": summary["requests"], "pool_tokens": pool, "size": size,
-            "seed": seed, "rows": rows}
+            "seed": seed, "protect_from_turn": protect_from_turn, "rows": rows}
 
 
 def format_table(result: dict) -> str:
     lines = [
         f"Per-request cost, session cache off vs on ({result['requests']} requests, "
         f"pool {result['pool_tokens']:,} tokens = {result['size']} of footprint; "
-        f"median of paired on/off ratios)",
+        f"median of paired on/off ratios"
+        + (f"; on: protected from turn {result['protect_from_turn']}"
+           if result.get("protect_from_turn") else "") + ")",
         f"{'shape':<16}{'off ms/req':>11}{'on ms/req':>11}{'on/off':>8}"
         f"{'range':>13}{'pairs':>7}{'hit off':>9}{'hit on':>8}",
     ]
@@ -190,11 +196,17 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     p.add_argument("--sessions", type=_positive, default=None,
                    help="agent sessions in the trace (default: the generator's)")
+    p.add_argument("--session-radix-cache-protect-from-turn", type=_positive, default=None,
+                   metavar="N", dest="protect_from_turn",
+                   help="session on: protect from a session's N-th request (default: the "
+                        "server default); a turn no session reaches measures the "
+                        "machinery alone, with the off run's tree")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     size = args.size if args.size.endswith("%") else int(args.size)
     t0 = time.perf_counter()
-    result = run(args.shapes, size, args.repeats, args.seed, args.sessions)
+    result = run(args.shapes, size, args.repeats, args.seed, args.sessions,
+                 args.protect_from_turn)
     print(format_table(result))
     _log(f"[request_cost] done in {time.perf_counter() - t0:.1f}s")
     if args.json:
