@@ -4,9 +4,10 @@ Builds real ``UnifiedRadixCache`` trees (FULL; FULL+SWA and FULL+Mamba for the
 two LRU walks) with 10k and 100k leaves, references 0 %, 50 % or 100 % of the leaves through
 the session tracker, then times single-leaf evictions. Off and on caches are
 measured alternately, eviction by eviction, and each cell's ratio is the
-median of the paired on/off ratios, so machine drift cancels out.  One pair
-of trees serves the three fractions of a size (references are added, cell by
-cell); torch runs one intra-op thread (as in the agentic benchmark).
+median of the paired on/off ratios, so machine drift cancels out.  Two pairs
+of trees serve the three fractions of a size (``_cells``); evictions are
+timed in process CPU time; torch runs one intra-op thread (as in the agentic
+benchmark).
 
     python -m sglang_session_cache_bench.eviction_cost [--nodes 10000,100000]
         [--components full,swa,mamba]
@@ -155,60 +156,70 @@ def run(nodes=(10_000, 100_000), kinds=("full", "swa", "mamba"), rounds=5, seed=
 
 
 def _cells(kind: str, n: int, rounds: int, seed: int, gc) -> list[dict]:
-    """The three referenced fractions of one (component, size), on one pair
-    of identical trees built once: each cell references more leaves of the
-    same trees (0 %, then 50 %, then 100 % of the leaves still there) and
-    evicts a few hundred of them at most, so both trees stay the same size."""
+    """The three referenced fractions of one (component, size) on two pairs
+    of identical trees: one pair serves 0 % and then 100 % (references are
+    added to what the 0 % cell's evictions left), the other 50 %.  Adding
+    references in leaf order keeps each insertion into the referenced LRU
+    partition near one end; referencing the other half of an already half-
+    referenced tree would place every leaf between two referenced ones, an
+    O(partition) search each (fine per registration, minutes for 50k at
+    once).  Each cell evicts at most 10 % of the leaves."""
     # Off and on alternate eviction by eviction (A B A B ...); each pair
     # gives one ratio.  FULL costs O(leaves) per call, so fewer pairs are
     # needed for a stable median at 100k.
     pairs = rounds * (4 if kind == "full" and n >= 50_000 else 20 if kind == "full" else 100)
-    # Each pair evicts one leaf per tree: the three cells take at most 30 %.
     pairs = max(4, min(pairs, n // 10))
-    t0 = time.perf_counter()
-    off, leaves = build(kind, n, enable_session=False)
-    on, _ = build(kind, n, enable_session=True)
-    _log(f"[{kind} n={n}] built two trees in {time.perf_counter() - t0:.1f}s")
     rows = []
-    for frac in FRACTIONS:
-        referenced = reference(on, leaves, frac, seed)
-        # Everything built so far is long-lived: keep the cyclic collector's
-        # full passes off it, so a collection does not land in a timed
-        # eviction on one side.
-        gc.collect()
-        gc.freeze()
-        offs, ons, ratios = [], [], []
-        try:
-            for i in range(pairs):
-                if i % 2:  # alternate who goes first
-                    b = evict_once(on, kind)
-                    a = evict_once(off, kind)
-                else:
-                    a = evict_once(off, kind)
-                    b = evict_once(on, kind)
-                offs.append(a)
-                ons.append(b)
-                ratios.append(b / a)
-        finally:
-            gc.unfreeze()
-        on.cache.validate_session_state()
-        row = {
-            "component": kind,
-            "nodes": n,
-            "referenced_fraction": frac,
-            "referenced_leaves": referenced,
-            "off_us": statistics.median(offs) * 1e6,
-            "on_us": statistics.median(ons) * 1e6,
-            "ratio": statistics.median(ratios),
-            "ratio_q1": statistics.quantiles(ratios, n=4)[0],
-            "ratio_q3": statistics.quantiles(ratios, n=4)[2],
-            "pairs": pairs,
-        }
-        rows.append(row)
-        _log(f"[{kind} n={n} ref={frac:.0%}] off {row['off_us']:.0f}us "
-             f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f}")
-    del off, on
-    return rows
+    for fractions in ((0.0, 1.0), (0.5,)):
+        t0 = time.perf_counter()
+        off, leaves = build(kind, n, enable_session=False)
+        on, _ = build(kind, n, enable_session=True)
+        _log(f"[{kind} n={n}] built two trees in {time.perf_counter() - t0:.1f}s")
+        for frac in fractions:
+            rows.append(_cell(kind, n, frac, off, on, leaves, pairs, seed, gc))
+        del off, on
+    return sorted(rows, key=lambda r: r["referenced_fraction"])
+
+
+def _cell(kind, n, frac, off, on, leaves, pairs, seed, gc) -> dict:
+    t0 = time.perf_counter()
+    referenced = reference(on, leaves, frac, seed)
+    # Everything built so far is long-lived: keep the cyclic collector's
+    # full passes off it, so a collection does not land in a timed eviction
+    # on one side.
+    gc.collect()
+    gc.freeze()
+    offs, ons, ratios = [], [], []
+    try:
+        for i in range(pairs):
+            if i % 2:  # alternate who goes first
+                b = evict_once(on, kind)
+                a = evict_once(off, kind)
+            else:
+                a = evict_once(off, kind)
+                b = evict_once(on, kind)
+            offs.append(a)
+            ons.append(b)
+            ratios.append(b / a)
+    finally:
+        gc.unfreeze()
+    on.cache.validate_session_state()
+    row = {
+        "component": kind,
+        "nodes": n,
+        "referenced_fraction": frac,
+        "referenced_leaves": referenced,
+        "off_us": statistics.median(offs) * 1e6,
+        "on_us": statistics.median(ons) * 1e6,
+        "ratio": statistics.median(ratios),
+        "ratio_q1": statistics.quantiles(ratios, n=4)[0],
+        "ratio_q3": statistics.quantiles(ratios, n=4)[2],
+        "pairs": pairs,
+    }
+    _log(f"[{kind} n={n} ref={frac:.0%}] off {row['off_us']:.0f}us "
+         f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f} "
+         f"({time.perf_counter() - t0:.1f}s)")
+    return row
 
 
 def format_table(rows: list[dict]) -> str:

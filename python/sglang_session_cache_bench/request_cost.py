@@ -9,7 +9,8 @@ that goes first alternating every event -- so machine drift and other jobs
 on a shared box hit both sides alike.  One lockstep replay is one pair; a
 shape's result is the median of ``--repeats`` paired on/off ratios (pairs
 alternate which side starts).  On-runs use the server defaults of the
-session flags (earned protection from turn 2, protection bound 0.9).
+session flags (``--session-radix-cache-protect-from-turn auto``, protection
+bound 0.9) unless ``--session-radix-cache-protect-from-turn`` says otherwise.
 
 Timed: each event's cache work only (a request's arrival stamp, prefill,
 decode steps and finish; closes; clock ticks), in process CPU time
@@ -185,6 +186,15 @@ def _positive(text: str) -> int:
     return v
 
 
+def _from_turn(text: str):
+    from sglang_session_cache.protection_policy import ProtectionOptionError
+
+    try:
+        return normalize_from_turn(text)
+    except ProtectionOptionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=_shapes, default=list(SHAPES),
@@ -196,8 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     p.add_argument("--sessions", type=_positive, default=None,
                    help="agent sessions in the trace (default: the generator's)")
-    p.add_argument("--session-radix-cache-protect-from-turn", type=_positive, default=None,
-                   metavar="N", dest="protect_from_turn",
+    p.add_argument("--session-radix-cache-protect-from-turn", type=_from_turn, default=None,
+                   metavar="N|auto", dest="protect_from_turn",
                    help="session on: protect from a session's N-th request (default: the "
                         "server default); a turn no session reaches measures the "
                         "machinery alone, with the off run's tree")
