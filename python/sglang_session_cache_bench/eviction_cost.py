@@ -81,8 +81,11 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
     if tracker is None:
         return 0
     # Measures bookkeeping with any share referenced: no protection bound,
-    # protected from the first request.
+    # protected from the first request, and room for one open session per
+    # leaf (the server bound, MAX_OPEN_SESSIONS = 65,536, would release the
+    # oldest sessions of a 100k tree as it is referenced).
     tracker.configure_protection(1.0, 1)
+    tracker.max_open_sessions = max(tracker.max_open_sessions, len(leaves) + 1)
     rng = random.Random(seed)
     count = 0
     for i, ids in enumerate(leaves):
