@@ -49,7 +49,7 @@ evicted
 ms/req
     wall time per request (prefill + decode + finish, evictions included) on
     this CPU harness -- it measures the cache bookkeeping, not a model, and
-    single runs are noisy: ``eviction_cost`` measures cost paired.
+    single runs are noisy: ``request_cost`` measures the cost paired.
 gain
     on - off in hit-rate points, and relative, (on - off) / off.
 
