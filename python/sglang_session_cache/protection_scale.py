@@ -96,15 +96,17 @@ class ProtectionScale:
                 state: bool = True, whole_only: bool = False) -> None:
         """``state``: the node could end a match (Mamba: it held a state);
         ``whole_only``: a match cannot end inside it (Mamba caches)."""
+        # On every such eviction: ghost_key inlined, _trim only when over.
         if not self.capacity or size <= 0:
             return
         self.evicted_tokens += size
-        key = ghost_key(parent_id, tokens, self.page)
-        old = self.ghosts.pop(key, None)
-        self.ghosts[key] = (size, node_id, tokens[:min(size, GHOST_CHECK_TOKENS)],
-                            state, whole_only)
-        self.ghost_tokens += size - (old[0] if old else 0)
-        self._trim()
+        key = (parent_id, tuple(tokens[:self.page]))
+        ghosts = self.ghosts
+        old = ghosts.pop(key, None)
+        ghosts[key] = (size, node_id, tokens[:GHOST_CHECK_TOKENS], state, whole_only)
+        self.ghost_tokens += size - old[0] if old else size
+        if self.ghost_tokens > self.budget:
+            self._trim()
 
     def _trim(self) -> None:
         ghosts = self.ghosts
