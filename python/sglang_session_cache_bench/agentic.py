@@ -185,28 +185,23 @@ def _positive(text: str) -> int:
     return v
 
 
-def _fraction_option(text: str):
-    from sglang_session_cache.protection_policy import (
-        ProtectionOptionError,
-        normalize_fraction,
-    )
+def _protection_option(name: str):
+    """An argparse type from a protection_policy normalizer (``auto`` or a
+    value), reporting its error as a usage error."""
 
-    try:
-        return normalize_fraction(text)
-    except ProtectionOptionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def parse(text: str):
+        from sglang_session_cache import protection_policy
+
+        try:
+            return getattr(protection_policy, name)(text)
+        except protection_policy.ProtectionOptionError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
-def _from_turn(text: str):
-    from sglang_session_cache.protection_policy import (
-        ProtectionOptionError,
-        normalize_from_turn,
-    )
-
-    try:
-        return normalize_from_turn(text)
-    except ProtectionOptionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_fraction_option = _protection_option("normalize_fraction")
+_from_turn = _protection_option("normalize_from_turn")
 
 
 def _parse_modes(text: str) -> list:

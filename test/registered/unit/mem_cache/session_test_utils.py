@@ -47,3 +47,12 @@ def make_scheduler(cache, server_args=None):
     sched.waiting_queue = []
     sched.enable_hicache_storage = False
     return sched
+
+
+def turn(h, tokens, sid=None):
+    """One finished request: arrival (with a session) or a plain request,
+    prefill and finish."""
+    req = arrive(h, tokens, sid) if sid else h.new_req(tokens)
+    h.prefill(req, finishing=True)
+    h.finish(req)
+    return req

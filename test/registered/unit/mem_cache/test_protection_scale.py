@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, arrive, prompt  # noqa: E402
+from session_test_utils import SHAPES, prompt, turn  # noqa: E402
 
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 from sglang_session_cache.protection_policy import (  # noqa: E402
@@ -108,13 +108,6 @@ def test_option_values():
 
 
 # ---- on the real cache -----------------------------------------------------------------
-
-
-def turn(h, tokens, sid=None):
-    req = arrive(h, tokens, sid) if sid else h.new_req(tokens)
-    h.prefill(req, finishing=True)
-    h.finish(req)
-    return req
 
 
 def _idle_sessions_and_hot_documents(h):

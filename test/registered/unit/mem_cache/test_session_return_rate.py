@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, arrive, prompt  # noqa: E402
+from session_test_utils import SHAPES, prompt, turn  # noqa: E402
 
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 from sglang_session_cache.component_refs import SessionStateError  # noqa: E402
@@ -100,13 +100,6 @@ def test_option_accepts_auto():
 
 
 # ---- on the real cache --------------------------------------------------------------
-
-
-def turn(h, tokens, sid):
-    req = arrive(h, tokens, sid)
-    h.prefill(req, finishing=True)
-    h.finish(req)
-    return req
 
 
 def leaves(h, sid):
