@@ -24,12 +24,13 @@ conversation (most of which never return):
   of the pool.  ``auto`` is 0.9 times a scale learned from what protection
   costs and saves (``protection_scale.py``: misses on unreferenced KV that
   protection pushed out shrink it; returning sessions that reuse KV plain LRU
-  would have evicted, or miss their own unprotected KV, grow it).  Past the bound, protection is **withdrawn** until
-  every component is within bound: first from sessions protected on their
-  first request alone (they have not shown they return), then from the
-  session whose last registration is the oldest (least recently active).  A
-  withdrawn session stays open (TTL and close work as before); its KV stays
-  cached as ordinary LRU data, and its next finished request registers again.
+  would have evicted, or miss their own unprotected KV, grow it).  Past the
+  bound, protection is **withdrawn** until every component is within bound:
+  first from sessions protected on their first request alone (they have not
+  shown they return), then from the session whose last registration is the
+  oldest (least recently active).  A withdrawn session stays open (TTL and
+  close work as before); its KV stays cached as ordinary LRU data, and its
+  next finished request registers again.
 
 Why least recently active: a session that has not come back for the longest
 time is the least likely to come back soon (agent and chat turn gaps are

@@ -75,7 +75,7 @@ class ProtectionScale:
         # it went would have lost that KV under plain LRU
         self.evicted_tokens = 0
         # monotonic counters
-        self.grew = 0  # ghost hits by returning sessions
+        self.grew = 0  # returning sessions: ghost hits, and reuse protection saved
         self.shrank = 0  # ghost hits by other requests
 
     def configure(self, capacity: Optional[int]) -> None:
@@ -96,16 +96,15 @@ class ProtectionScale:
                 state: bool = True, whole_only: bool = False) -> None:
         """``state``: the node could end a match (Mamba: it held a state);
         ``whole_only``: a match cannot end inside it (Mamba caches)."""
-        # On every such eviction: ghost_key inlined, _trim only when over.
         if not self.capacity or size <= 0:
             return
         self.evicted_tokens += size
-        key = (parent_id, tuple(tokens[:self.page]))
+        key = ghost_key(parent_id, tokens, self.page)
         ghosts = self.ghosts
         old = ghosts.pop(key, None)
         ghosts[key] = (size, node_id, tokens[:GHOST_CHECK_TOKENS], state, whole_only)
         self.ghost_tokens += size - old[0] if old else size
-        if self.ghost_tokens > self.budget:
+        if self.ghost_tokens > self.budget:  # runs on every such eviction
             self._trim()
 
     def _trim(self) -> None:
@@ -126,7 +125,7 @@ class ProtectionScale:
         # evicted node that could end a match (Mamba: one with a state).
         lost = counted = 0
         while True:
-            key = ghost_key(parent_id, tokens[lost:], self.page)
+            key = ghost_key(parent_id, tokens[lost:lost + self.page], self.page)
             ghost = ghosts.get(key)
             if ghost is None:
                 break

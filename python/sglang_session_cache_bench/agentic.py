@@ -88,6 +88,13 @@ from sglang_session_cache_bench.trace import (
     read_jsonl,
     write_jsonl,
 )
+from sglang_session_cache.protection_policy import (
+    FRACTION_FIELD,
+    FROM_TURN_FIELD,
+    ProtectionOptionError,
+    normalize_fraction,
+    normalize_from_turn,
+)
 from sglang_session_cache.session_ttl import SessionTTLError, normalize_ttl
 from sglang_session_cache_bench import trace_clock
 from sglang_session_cache_bench.mooncake import (
@@ -161,7 +168,7 @@ def _parse_sizes(text: str) -> list:
     return sizes
 
 
-def _parse_shapes(text: str) -> list:
+def parse_shapes(text: str) -> list:
     shapes = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
     if bad or not shapes:
@@ -178,30 +185,28 @@ def _fraction(text: str) -> float:
     return v
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return v
 
 
-def _protection_option(name: str):
+def _protection_option(normalize):
     """An argparse type from a protection_policy normalizer (``auto`` or a
     value), reporting its error as a usage error."""
 
     def parse(text: str):
-        from sglang_session_cache import protection_policy
-
         try:
-            return getattr(protection_policy, name)(text)
-        except protection_policy.ProtectionOptionError as exc:
+            return normalize(text)
+        except ProtectionOptionError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
 
 
-_fraction_option = _protection_option("normalize_fraction")
-_from_turn = _protection_option("normalize_from_turn")
+fraction_option = _protection_option(normalize_fraction)
+from_turn_option = _protection_option(normalize_from_turn)
 
 
 def _parse_modes(text: str) -> list:
@@ -232,11 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w = p.add_argument_group("workload (built-in generator)")
     w.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
-    w.add_argument("--sessions", type=_positive, default=None,
+    w.add_argument("--sessions", type=positive_int, default=None,
                    help=f"agent sessions in the trace (default {d.sessions})")
-    w.add_argument("--concurrency", type=_positive, default=None,
+    w.add_argument("--concurrency", type=positive_int, default=None,
                    help=f"sessions open at the same time (default {d.concurrency})")
-    w.add_argument("--turns", type=_positive, default=None,
+    w.add_argument("--turns", type=positive_int, default=None,
                    help=f"mean turns per session (default {d.turns})")
     w.add_argument("--system-prompt", type=int, default=None, metavar="TOKENS",
                    help=f"shared agent system prompt (default {d.system_prompt})")
@@ -253,11 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="format of --trace: this benchmark's JSONL or Mooncake/aiperf "
                         "(timestamp, input_length, output_length, hash_ids); default: "
                         "detected from the first line")
-    w.add_argument("--block-size", type=_positive, default=None, metavar="TOKENS",
+    w.add_argument("--block-size", type=positive_int, default=None, metavar="TOKENS",
                    help=f"Mooncake: token ids per hash id in the replay (default "
                         f"{DEFAULT_BLOCK_SIZE}); smaller scales the whole trace down "
                         f"for CPU runs")
-    w.add_argument("--trace-block-size", type=_positive, default=None, metavar="TOKENS",
+    w.add_argument("--trace-block-size", type=positive_int, default=None, metavar="TOKENS",
                    help=f"Mooncake: tokens per hash id in the recorded trace "
                         f"(default {DEFAULT_BLOCK_SIZE})")
     w.add_argument("--save-trace", metavar="FILE.jsonl",
@@ -279,12 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="ttl",
                    help="idle TTL of the session cache, in trace time (generated "
                         "clock, JSONL 'time', Mooncake 'timestamp'); default off")
-    c.add_argument("--session-radix-cache-protect-from-turn", type=_from_turn,
+    c.add_argument("--session-radix-cache-protect-from-turn", type=from_turn_option,
                    default=None, metavar="N|auto", dest="protect_from_turn",
                    help="session on: protect a session from its N-th request, or "
                         "'auto' (learned from how often sessions return; "
                         "default: the server default)")
-    c.add_argument("--session-radix-cache-max-protected-fraction", type=_fraction_option,
+    c.add_argument("--session-radix-cache-max-protected-fraction", type=fraction_option,
                    default=None, metavar="F|auto", dest="max_protected_fraction",
                    help="session on: most of each pool that references may "
                         "protect, or 'auto' (learned; default: the server default)")
@@ -294,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "protect-from-turn 1, max-protected-fraction 1) and report "
                         "the share of its gain that the session-on run keeps")
     r = p.add_argument_group("replay")
-    r.add_argument("--shapes", type=_parse_shapes, default=list(SHAPES),
+    r.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
                    help=f"comma list of {','.join(SHAPES)} (default: all)")
     r.add_argument("--sizes", type=_parse_sizes, default=None,
                    help=("comma list of pool sizes: token counts or shares of the "
@@ -678,10 +683,7 @@ def _sweep(args, trace: Trace, ttl: Optional[float], on_cell) -> dict:
 
 #: The ``base`` runs: session protection as before earned protection and the
 #: bound existed (every finished request protected, nothing withdrawn).
-BASELINE_OPTIONS = {
-    "session_radix_cache_protect_from_turn": 1,
-    "session_radix_cache_max_protected_fraction": 1.0,
-}
+BASELINE_OPTIONS = {FROM_TURN_FIELD: 1, FRACTION_FIELD: 1.0}
 
 
 def _run_cell(args, trace, results, shape, pool, key, ttl) -> Optional[RunStats]:
@@ -689,18 +691,17 @@ def _run_cell(args, trace, results, shape, pool, key, ttl) -> Optional[RunStats]
 
     on = key != "off"
     where = f"{SHAPE_TITLES[shape]} pool={pool} session={key}"
-    saved = harness.SESSION_SERVER_ARGS
+    options = harness.SESSION_SERVER_ARGS
     if key == "base":
-        harness.SESSION_SERVER_ARGS = dict(saved, **BASELINE_OPTIONS)
+        options = dict(options, **BASELINE_OPTIONS)
     try:
-        st = replay(trace, shape, pool, on, check_every=args.check_every,
-                    ttl=ttl if on else None)
+        with harness.session_server_args(options):
+            st = replay(trace, shape, pool, on, check_every=args.check_every,
+                        ttl=ttl if on else None)
     except Exception as exc:
         traceback.print_exc()
         results["issues"].append(f"{where}: replay failed: {type(exc).__name__}: {exc}")
         return None
-    finally:
-        harness.SESSION_SERVER_ARGS = saved
     results["issues"].extend(f"{where}: {issue}" for issue in st.issues)
     return st
 
@@ -955,25 +956,15 @@ def _protection_published(args):
     """The protection options, on every ServerArgs the harness publishes (the
     session-on cache reads them at init, like a server). Restored on exit, so
     an in-process run (tests) leaves the harness as it found it."""
-    from sglang_session_cache.protection_policy import (
-        FRACTION_FIELD,
-        FROM_TURN_FIELD,
-        normalize_fraction,
-        normalize_from_turn,
-    )
-    from sglang_session_cache_bench import harness
+    from sglang_session_cache_bench.harness import session_server_args
 
     options = {}
     if args.max_protected_fraction is not None:
         options[FRACTION_FIELD] = normalize_fraction(args.max_protected_fraction)
     if args.protect_from_turn is not None:
         options[FROM_TURN_FIELD] = normalize_from_turn(args.protect_from_turn)
-    saved = harness.SESSION_SERVER_ARGS
-    harness.SESSION_SERVER_ARGS = options
-    try:
+    with session_server_args(options):
         yield
-    finally:
-        harness.SESSION_SERVER_ARGS = saved
 
 
 def main(argv: Optional[list] = None) -> int:

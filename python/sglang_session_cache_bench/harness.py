@@ -76,6 +76,7 @@ the tree + slots owned by in-flight requests must partition the pool exactly
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from array import array
 from dataclasses import dataclass, field
@@ -166,6 +167,20 @@ def publish_server_args(
         object.__setattr__(server_args, name, value)  # past the mutation guard
     _server_args_override = override
     return server_args
+
+
+@contextlib.contextmanager
+def session_server_args(options: dict):
+    """``SESSION_SERVER_ARGS`` set to ``options`` for the ``with`` block
+    (every ``ServerArgs`` published meanwhile carries them), then restored,
+    so a run leaves the harness as it found it."""
+    global SESSION_SERVER_ARGS
+    saved = SESSION_SERVER_ARGS
+    SESSION_SERVER_ARGS = options
+    try:
+        yield
+    finally:
+        SESSION_SERVER_ARGS = saved
 
 
 def release_server_args() -> None:

@@ -38,7 +38,10 @@ import time
 from sglang_session_cache_bench.agentic import (
     SHAPE_TITLES,
     SHAPES,
+    from_turn_option,
     min_pool_tokens,
+    parse_shapes,
+    positive_int,
     replay_steps,
     resolve_sizes,
 )
@@ -110,40 +113,38 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
     # As in the agentic benchmark: one intra-op thread, same for off and on.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    saved = harness.SESSION_SERVER_ARGS
     # The server defaults of the session flags, unless a turn is given.
-    harness.SESSION_SERVER_ARGS = (
-        {} if protect_from_turn is None
-        else {FROM_TURN_FIELD: normalize_from_turn(protect_from_turn)})
+    options = ({} if protect_from_turn is None
+               else {FROM_TURN_FIELD: normalize_from_turn(protect_from_turn)})
     rows = []
     try:
-        for shape in shapes:
-            lockstep(trace, shape, pool, False)  # untimed warm-up pair
-            offs, ons, ratios = [], [], []
-            for i in range(repeats):
-                runs = lockstep(trace, shape, pool, first_on=i % 2 == 1)
-                ms = {on: 1000.0 * st.event_seconds / st.requests
-                      for on, st in runs.items()}
-                hits = {on: st.hit_rate for on, st in runs.items()}
-                offs.append(ms[False])
-                ons.append(ms[True])
-                ratios.append(ms[True] / ms[False])
-                _log(f"[request_cost] {SHAPE_TITLES[shape]:<15} pair {i + 1}/{repeats}: "
-                     f"off {ms[False]:.3f} ms on {ms[True]:.3f} ms "
-                     f"ratio {ratios[-1]:.3f}")
-            rows.append({
-                "shape": shape,
-                "off_ms": statistics.median(offs),
-                "on_ms": statistics.median(ons),
-                "ratio": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
-                "pairs": repeats,
-                "off_hit_rate": hits[False],
-                "on_hit_rate": hits[True],
-            })
+        with harness.session_server_args(options):
+            for shape in shapes:
+                lockstep(trace, shape, pool, False)  # untimed warm-up pair
+                offs, ons, ratios = [], [], []
+                for i in range(repeats):
+                    runs = lockstep(trace, shape, pool, first_on=i % 2 == 1)
+                    ms = {on: 1000.0 * st.event_seconds / st.requests
+                          for on, st in runs.items()}
+                    hits = {on: st.hit_rate for on, st in runs.items()}
+                    offs.append(ms[False])
+                    ons.append(ms[True])
+                    ratios.append(ms[True] / ms[False])
+                    _log(f"[request_cost] {SHAPE_TITLES[shape]:<15} pair {i + 1}/{repeats}: "
+                         f"off {ms[False]:.3f} ms on {ms[True]:.3f} ms "
+                         f"ratio {ratios[-1]:.3f}")
+                rows.append({
+                    "shape": shape,
+                    "off_ms": statistics.median(offs),
+                    "on_ms": statistics.median(ons),
+                    "ratio": statistics.median(ratios),
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                    "pairs": repeats,
+                    "off_hit_rate": hits[False],
+                    "on_hit_rate": hits[True],
+                })
     finally:
-        harness.SESSION_SERVER_ARGS = saved
         torch.set_num_threads(threads)
         harness.release_server_args()
     return {"requests": summary["requests"], "pool_tokens": pool, "size": size,
@@ -171,42 +172,18 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _shapes(text: str) -> list:
-    shapes = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in shapes if s not in SHAPES]
-    if bad or not shapes:
-        raise argparse.ArgumentTypeError(f"unknown shape(s) {bad}; choose from {SHAPES}")
-    return shapes
-
-
-def _positive(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return v
-
-
-def _from_turn(text: str):
-    from sglang_session_cache.protection_policy import ProtectionOptionError
-
-    try:
-        return normalize_from_turn(text)
-    except ProtectionOptionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", type=_shapes, default=list(SHAPES),
+    p.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
                    help="comma list of full, swa, swa_mamba (default: all)")
     p.add_argument("--size", default="8%",
                    help="pool size: share of the trace footprint (e.g. 8%%) or tokens")
-    p.add_argument("--repeats", type=_positive, default=5,
+    p.add_argument("--repeats", type=positive_int, default=5,
                    help="off/on pairs per shape (default 5)")
     p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
-    p.add_argument("--sessions", type=_positive, default=None,
+    p.add_argument("--sessions", type=positive_int, default=None,
                    help="agent sessions in the trace (default: the generator's)")
-    p.add_argument("--session-radix-cache-protect-from-turn", type=_from_turn, default=None,
+    p.add_argument("--session-radix-cache-protect-from-turn", type=from_turn_option, default=None,
                    metavar="N|auto", dest="protect_from_turn",
                    help="session on: protect from a session's N-th request (default: the "
                         "server default); a turn no session reaches measures the "

@@ -205,9 +205,7 @@ def _wrap_remove_leaf(orig):
 
 
 def _wrap_evict_component(orig):
-    from sglang.srt.mem_cache.unified_cache_components import EvictLayer
-
-    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType, EvictLayer
 
     device, host = int(EvictLayer.DEVICE), int(EvictLayer.HOST)
     full_ct = ComponentType.FULL
