@@ -56,10 +56,21 @@ def ghost_key(parent_id: int, tokens, page: int = 1) -> tuple:
 
 def _common_prefix(a, b) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if type(a) is not type(b):  # slices of mixed sequence types never compare equal
+        for i in range(n):
+            if a[i] != b[i]:
+                return i
+        return n
+    if a[:n] == b[:n]:  # the common case (a request reusing the node), one C compare
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class ProtectionScale:

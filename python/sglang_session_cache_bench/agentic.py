@@ -936,8 +936,10 @@ def workload_runs(args, trace: Trace) -> list:
              mode_ttl(MODES[name], args.ttl)) for name in args.mode]
 
 
-def _write_json(doc: dict, path: str) -> None:
+def write_json(doc, path: str) -> None:
+    """Save a benchmark result as JSON (the folder is created)."""
     # Whole file or nothing: a run cut short leaves the last complete save.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1)
@@ -1015,7 +1017,7 @@ def _run_modes(args, runs, t_start: float) -> int:
         else:
             doc.clear()
             doc.update(results)
-        _write_json(doc, json_path)
+        write_json(doc, json_path)
 
     all_results = []
     for mode, mode_trace, ttl in runs:
@@ -1036,7 +1038,7 @@ def _run_modes(args, runs, t_start: float) -> int:
         print(format_mode_summary(all_results), flush=True)
     if several:
         doc["complete"] = not interrupted and len(all_results) == len(runs)
-        _write_json(doc, json_path)
+        write_json(doc, json_path)
     print(f"\nresults: {json_path}")
     if not args.no_plot:
         for results in all_results:

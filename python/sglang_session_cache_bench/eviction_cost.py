@@ -19,13 +19,13 @@ referenced fraction.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
 import sys
 import time
 from array import array
+
+from sglang_session_cache_bench.agentic import write_json
 
 FRACTIONS = (0.0, 0.5, 1.0)
 TOKENS_PER_LEAF = 4
@@ -259,9 +259,7 @@ def main(argv=None) -> int:
     )
     print(format_table(rows))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(rows, args.json)
     return 0
 
 

@@ -20,7 +20,13 @@ generation, cache construction, the end-of-run checks (``check()``,
 cyclic garbage collector is paused during a pair and runs after it.
 
     python -m sglang_session_cache_bench.request_cost [--repeats 5] [--size 8%]
-        [--shapes full,swa,swa_mamba] [--json FILE]
+        [--shapes full,swa,swa_mamba] [--equal-hit] [--json FILE]
+
+``--equal-hit`` adds a control to the same lockstep: session cache off on the
+larger pool where it reuses as many prompt tokens as the on run (found by
+untimed bisection), so a run can tell what the hits themselves cost SGLang's
+own walks from what the session machinery costs.  The evictions per request
+(deterministic) are printed for off and on.
 
 Target (issue 14): on/off <= 1.05 per shape.
 """
@@ -29,11 +35,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 from sglang_session_cache_bench.agentic import (
     SHAPE_TITLES,
@@ -42,54 +47,85 @@ from sglang_session_cache_bench.agentic import (
     min_pool_tokens,
     parse_shapes,
     positive_int,
+    replay,
     replay_steps,
     resolve_sizes,
+    write_json,
 )
 from sglang_session_cache.protection_policy import FROM_TURN_FIELD, normalize_from_turn
 from sglang_session_cache_bench.trace import GeneratorConfig, generate_trace, ideal_stats
 
 TARGET = 1.05
+#: Key of the third side of ``lockstep``: session cache off, on the pool
+#: where it reuses as much as the on run (``--equal-hit``).
+EQUAL_HIT = "equal_hit"
+_SIDE_NAMES = {False: "session=off", True: "session=on", EQUAL_HIT: "session=off, equal-hit pool"}
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def lockstep(trace, shape: str, pool: int, first_on: bool) -> dict:
+def lockstep(trace, shape: str, pool: int, first_on: bool,
+             equal_hit_pool: Optional[int] = None) -> dict:
     """Replay ``trace`` on an off and an on cache side by side, event by event
-    (who goes first alternates every event), timing each event's cache work in
-    process CPU time.  The cyclic garbage collector is paused while the two
-    replays run (a collection would be charged to whichever side triggered
-    it, and it walks both trees); it runs after them."""
-    steps = {on: replay_steps(trace, shape, pool, on, timer=time.process_time)
-             for on in (False, True)}
+    (who goes first rotates every event), timing each event's cache work in
+    process CPU time.  With ``equal_hit_pool`` a third cache, session cache
+    off on that larger pool, replays alongside (key ``EQUAL_HIT``).  The
+    cyclic garbage collector is paused while the replays run (a collection
+    would be charged to whichever side triggered it, and it walks every
+    tree); it runs after them."""
+    sides = {False: (pool, False), True: (pool, True)}
+    if equal_hit_pool is not None:
+        sides[EQUAL_HIT] = (equal_hit_pool, False)
+    steps = {name: replay_steps(trace, shape, p, on, timer=time.process_time)
+             for name, (p, on) in sides.items()}
     done = {}
     gc.collect()
     gc.disable()
     try:
         for gen in steps.values():
             next(gen)  # builds the cache, stops before the first event
-        order = (True, False) if first_on else (False, True)
-        while len(done) < 2:
-            for on in order:
-                if on in done:
+        order = list(sides)
+        if first_on:
+            order.reverse()
+        while len(done) < len(steps):
+            for name in order:
+                if name in done:
                     continue
                 try:
-                    next(steps[on])
+                    next(steps[name])
                 except StopIteration as stop:
-                    done[on] = stop.value
-            order = order[::-1]
+                    done[name] = stop.value
+            order.append(order.pop(0))
     finally:
         gc.enable()
     gc.collect()
-    for on, st in done.items():
+    for name, st in done.items():
         if st.issues:
-            raise RuntimeError(f"{shape} session={'on' if on else 'off'}: {st.issues}")
+            raise RuntimeError(f"{shape} {_SIDE_NAMES[name]}: {st.issues}")
     return done
 
 
+def equal_hit_pool(trace, shape: str, pool: int, target_hit: float, limit: int) -> int:
+    """The smallest pool (to 1/64 of the span searched) on which the session
+    cache off reuses at least ``target_hit`` of the prompt tokens: the off
+    run that buys the on run's hits with memory instead.  Untimed replays."""
+    lo, hi = pool, limit
+    if replay(trace, shape, hi, False).hit_rate < target_hit:
+        return hi
+    step = max(1, (hi - lo) // 64)
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        if replay(trace, shape, mid, False).hit_rate >= target_hit:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
-        sessions=None, protect_from_turn=None) -> dict:
+        sessions=None, protect_from_turn=None, equal_hit: bool = False) -> dict:
     import logging
 
     import torch
@@ -120,20 +156,32 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
     try:
         with harness.session_server_args(options):
             for shape in shapes:
-                lockstep(trace, shape, pool, False)  # untimed warm-up pair
-                offs, ons, ratios = [], [], []
+                warm = lockstep(trace, shape, pool, False)  # untimed warm-up pair
+                eq_pool = None
+                if equal_hit:
+                    eq_pool = equal_hit_pool(trace, shape, pool, warm[True].hit_rate, footprint)
+                    _log(f"[request_cost] {SHAPE_TITLES[shape]:<15} off reaches the on hit "
+                         f"rate at a pool of {eq_pool:,} tokens")
+                offs, ons, ratios, eqs, eq_ratios = [], [], [], [], []
                 for i in range(repeats):
-                    runs = lockstep(trace, shape, pool, first_on=i % 2 == 1)
-                    ms = {on: 1000.0 * st.event_seconds / st.requests
-                          for on, st in runs.items()}
-                    hits = {on: st.hit_rate for on, st in runs.items()}
+                    runs = lockstep(trace, shape, pool, first_on=i % 2 == 1,
+                                    equal_hit_pool=eq_pool)
+                    ms = {name: 1000.0 * st.event_seconds / st.requests
+                          for name, st in runs.items()}
+                    hits = {name: st.hit_rate for name, st in runs.items()}
                     offs.append(ms[False])
                     ons.append(ms[True])
                     ratios.append(ms[True] / ms[False])
-                    _log(f"[request_cost] {SHAPE_TITLES[shape]:<15} pair {i + 1}/{repeats}: "
-                         f"off {ms[False]:.3f} ms on {ms[True]:.3f} ms "
-                         f"ratio {ratios[-1]:.3f}")
-                rows.append({
+                    line = (f"[request_cost] {SHAPE_TITLES[shape]:<15} pair {i + 1}/{repeats}: "
+                            f"off {ms[False]:.3f} ms on {ms[True]:.3f} ms "
+                            f"ratio {ratios[-1]:.3f}")
+                    if eq_pool is not None:
+                        eqs.append(ms[EQUAL_HIT])
+                        eq_ratios.append(ms[True] / ms[EQUAL_HIT])
+                        line += f"; off, equal hits {ms[EQUAL_HIT]:.3f} ms ratio {eq_ratios[-1]:.3f}"
+                    _log(line)
+                calls = {name: st.evict_calls / st.requests for name, st in runs.items()}
+                row = {
                     "shape": shape,
                     "off_ms": statistics.median(offs),
                     "on_ms": statistics.median(ons),
@@ -143,12 +191,26 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
                     "pairs": repeats,
                     "off_hit_rate": hits[False],
                     "on_hit_rate": hits[True],
-                })
+                    # deterministic: same trace, same decisions every pair
+                    "off_evict_calls_per_req": calls[False],
+                    "on_evict_calls_per_req": calls[True],
+                }
+                if eq_pool is not None:
+                    row.update({
+                        "equal_hit_pool_tokens": eq_pool,
+                        "equal_hit_off_ms": statistics.median(eqs),
+                        "equal_hit_off_hit_rate": hits[EQUAL_HIT],
+                        "equal_hit_ratio": statistics.median(eq_ratios),
+                        "equal_hit_ratio_min": min(eq_ratios),
+                        "equal_hit_ratio_max": max(eq_ratios),
+                    })
+                rows.append(row)
     finally:
         torch.set_num_threads(threads)
         harness.release_server_args()
     return {"requests": summary["requests"], "pool_tokens": pool, "size": size,
-            "seed": seed, "protect_from_turn": protect_from_turn, "rows": rows}
+            "seed": seed, "protect_from_turn": protect_from_turn,
+            "equal_hit": equal_hit, "rows": rows}
 
 
 def format_table(result: dict) -> str:
@@ -167,6 +229,22 @@ def format_table(result: dict) -> str:
             f"{r['ratio']:>8.3f}{r['ratio_min']:>7.2f}-{r['ratio_max']:<5.2f}"
             f"{r['pairs']:>7}{r['off_hit_rate']:>9.3f}{r['on_hit_rate']:>8.3f}"
         )
+    lines.append("evictions per request (off -> on): " + ", ".join(
+        f"{SHAPE_TITLES[r['shape']]} {r['off_evict_calls_per_req']:.2f} -> "
+        f"{r['on_evict_calls_per_req']:.2f}" for r in result["rows"]))
+    eq_rows = [r for r in result["rows"] if "equal_hit_ratio" in r]
+    if eq_rows:
+        lines.append("Control: session cache off on the pool where it reuses as much as on "
+                     "(memory instead of sessions), in the same lockstep")
+        lines.append(f"{'shape':<16}{'pool':>9}{'hit':>7}{'off ms/req':>11}"
+                     f"{'on/off':>8}{'range':>13}")
+        for r in eq_rows:
+            lines.append(
+                f"{SHAPE_TITLES[r['shape']]:<16}{r['equal_hit_pool_tokens']:>9,}"
+                f"{r['equal_hit_off_hit_rate']:>7.3f}{r['equal_hit_off_ms']:>11.3f}"
+                f"{r['equal_hit_ratio']:>8.3f}{r['equal_hit_ratio_min']:>7.2f}-"
+                f"{r['equal_hit_ratio_max']:<5.2f}"
+            )
     worst = max(r["ratio"] for r in result["rows"])
     lines.append(f"worst shape on/off: {worst:.3f} (target <= {TARGET:.2f})")
     return "\n".join(lines)
@@ -188,18 +266,19 @@ def main(argv=None) -> int:
                    help="session on: protect from a session's N-th request (default: the "
                         "server default); a turn no session reaches measures the "
                         "machinery alone, with the off run's tree")
+    p.add_argument("--equal-hit", action="store_true",
+                   help="add a control: session cache off on the (larger) pool where it "
+                        "reuses as much as on, timed in the same lockstep")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     size = args.size if args.size.endswith("%") else int(args.size)
     t0 = time.perf_counter()
     result = run(args.shapes, size, args.repeats, args.seed, args.sessions,
-                 args.protect_from_turn)
+                 args.protect_from_turn, args.equal_hit)
     print(format_table(result))
     _log(f"[request_cost] done in {time.perf_counter() - t0:.1f}s")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return 0
 
 

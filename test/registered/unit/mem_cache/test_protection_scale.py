@@ -17,7 +17,7 @@ from sglang_session_cache.protection_policy import (  # noqa: E402
     AUTO_FRACTION_CEILING,
     normalize_fraction,
 )
-from sglang_session_cache.protection_scale import ProtectionScale  # noqa: E402
+from sglang_session_cache.protection_scale import ProtectionScale, _common_prefix  # noqa: E402
 
 FULL = ComponentType.FULL
 
@@ -172,3 +172,17 @@ def test_scale_decisions_follow_events_not_clocks():
                          sorted(s for s in tracker.open_sessions()
                                 if tracker.session_leaves(s, FULL))))
     assert outcomes[0] == outcomes[1]
+
+
+def test_common_prefix_agrees_with_a_token_by_token_scan():
+    import random
+    from array import array
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = array("q", (rng.randint(0, 2) for _ in range(rng.randint(0, 40))))
+        b = array("q", (rng.randint(0, 2) for _ in range(rng.randint(0, 40))))
+        n = min(len(a), len(b))
+        want = next((i for i in range(n) if a[i] != b[i]), n)
+        assert _common_prefix(a, b) == want
+        assert _common_prefix(list(a), b) == want  # mixed types: the scan

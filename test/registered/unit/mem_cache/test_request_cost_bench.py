@@ -47,3 +47,22 @@ def test_lockstep_replays_the_same_stream_on_both_sides():
     assert not off.issues and not on.issues
     assert 0 < off.event_seconds and 0 < on.event_seconds
     assert off.request_seconds <= off.event_seconds
+
+
+def test_equal_hit_control_replays_a_third_cache_that_reuses_as_much():
+    from sglang_session_cache_bench.agentic import min_pool_tokens, replay
+    from sglang_session_cache_bench.trace import GeneratorConfig, generate_trace, ideal_stats
+
+    trace = generate_trace(GeneratorConfig(seed=1, sessions=3, concurrency=3))
+    pool = min_pool_tokens(trace)
+    footprint = ideal_stats(trace)["footprint"]
+    on_hit = replay(trace, "full", pool, True).hit_rate
+    eq = request_cost.equal_hit_pool(trace, "full", pool, on_hit, footprint)
+    assert pool <= eq <= footprint
+    runs = request_cost.lockstep(trace, "full", pool, first_on=False, equal_hit_pool=eq)
+    assert set(runs) == {False, True, request_cost.EQUAL_HIT}
+    control = runs[request_cost.EQUAL_HIT]
+    assert not control.session and control.pool_tokens == eq
+    # The control buys the on run's reuse with memory instead of sessions.
+    assert control.hit_rate >= on_hit or eq == footprint
+    assert control.stream_digest == runs[True].stream_digest
