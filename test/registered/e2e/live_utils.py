@@ -108,3 +108,22 @@ def session_survives(url: str, sid: str, prompt_len: int, flood_args: tuple) -> 
     nxt = generate(url, prompt, sid)
     close(url, sid)
     return nxt["meta_info"]["cached_tokens"], need
+
+
+def classic_session_survives(url: str, prompt_len: int, flood_args: tuple) -> tuple:
+    """``session_survives`` for a classic session: ``/open_session``, then
+    requests with ``session_params`` that append to the previous request (the
+    session controller prepends the conversation so far), a flood of one-shot
+    traffic, one more turn, ``/close_session``.  Returns (cached tokens of the
+    third turn, prompt + output of the second, the session id)."""
+    r = requests.post(url + "/open_session", json={"capacity_of_str_len": 100_000}, timeout=60)
+    assert r.status_code == 200, r.text
+    sid = r.json()
+    rng = random.Random(4)
+    res = generate(url, [9] + tokens(rng, prompt_len), session_params={"id": sid})
+    res = generate(url, tokens(rng, 10), session_params={"id": sid, "rid": res["meta_info"]["id"]})
+    need = res["meta_info"]["prompt_tokens"] + len(res["output_ids"])
+    flood(url, random.Random(5), *flood_args)
+    nxt = generate(url, tokens(rng, 10), session_params={"id": sid, "rid": res["meta_info"]["id"]})
+    assert close(url, sid).status_code == 200
+    return nxt["meta_info"]["cached_tokens"], need, sid

@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from live_utils import (close, flush, generate, metric_values, module_servers, run_session,
-                        session_survives, tokens)
+from live_utils import (classic_session_survives, close, flush, generate, metric_values,
+                        module_servers, run_session, session_survives, tokens)
 from sglang_session_cache_bench.live_server import LaunchedServer
 
 POOL = 1024
@@ -99,6 +99,23 @@ def test_open_session_prefix_survives_pressure_only_with_the_flag(servers):
     print(f"FULL pool={POOL}: cached on={cached_on} off={cached_off} of {need}")
     assert cached_on >= need
     assert cached_off < need // 2
+
+
+def test_classic_session_prefix_survives_pressure_only_with_the_flag(servers):
+    # /open_session + session_params (SGLang's session controller), no top-level
+    # session_id: the session's references are registered all the same.
+    cached_on, need, sid = classic_session_survives(servers["on"].url, SESSION_PROMPT, FLOOD)
+    cached_off, _, _ = classic_session_survives(servers["off"].url, SESSION_PROMPT, FLOOD)
+    print(f"FULL pool={POOL}, classic session: cached on={cached_on} off={cached_off} of {need}")
+    assert cached_on >= need
+    assert cached_off < need // 2
+    # Closed: SGLang refuses the id with a 400, and the server keeps serving.
+    url = servers["on"].url
+    r = requests.post(url + "/generate", json={"input_ids": [1, 2, 3], "session_params": {"id": sid},
+                                               "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 400 and "does not exist" in r.text
+    assert close(url, sid).status_code == 200  # closing again is harmless
+    generate(url, [1, 2, 3])
 
 
 BAD_IDS = {
