@@ -36,8 +36,8 @@ _OPTIONS = (
      "Most of each KV pool (share, 0 < F <= 1) that session references may "
      "protect; past it, protection is withdrawn from the least recently active "
      "sessions first (their KV stays cached). 'auto': up to 0.9, learned from "
-     "the misses protection causes (unreferenced KV it pushed out) and the "
-     "hits it saves (returning sessions). "
+     "the misses protection causes: unreferenced KV it pushed out (down) and "
+     "returning sessions' own unprotected KV (up). "
      f"Default: {DEFAULT_MAX_PROTECTED_FRACTION}. Needs --enable-session-radix-cache."),
     (FROM_TURN_FIELD, FROM_TURN_FLAG, normalize_from_turn, "{auto,N}",
      "A session's KV is protected from its N-th request on (2: conversations "

@@ -21,10 +21,10 @@ conversation (most of which never return):
   default ``auto``): for every component whose pool size is known, the
   referenced data (FULL/SWA tokens, Mamba states; distinct nodes, counted
   incrementally by ``ComponentSessionRefs.ref_units``) may hold at most ``F``
-  of the pool.  ``auto`` is 0.9 times a scale learned from what protection
-  costs and saves (``protection_scale.py``: misses on unreferenced KV that
-  protection pushed out shrink it; returning sessions that reuse KV plain LRU
-  would have evicted, or miss their own unprotected KV, grow it).  Past the
+  of the pool.  ``auto`` is 0.9 times a scale learned from the misses
+  protection causes (``protection_scale.py``: misses on unreferenced KV that
+  protection pushed out shrink it; returning sessions that miss their own
+  unprotected KV grow it).  Past the
   bound, protection is **withdrawn** until every component is within bound:
   first from sessions protected on their first request alone (they have not
   shown they return), then from the session whose last registration is the
@@ -177,10 +177,8 @@ class ProtectionPolicy:
         self.first_turn_only: OrderedDict = OrderedDict()
         self.return_rate = SessionReturnRate()
         self.withdraw_pending = False
-        # learned scale on the fraction (protection_scale.py), and per
-        # protected session the scale's eviction count at its registration
+        # learned scale on the fraction (protection_scale.py)
         self.scale = ProtectionScale()
-        self.registered_at: dict = {}
         # component type -> pool size in ref_units (None: unknown)
         self.capacity: dict = {}
         # component type -> most ref_units it may hold (None: unbounded)
@@ -214,7 +212,6 @@ class ProtectionPolicy:
         self.turns.clear()
         self.protected.clear()
         self.first_turn_only.clear()
-        self.registered_at.clear()
         self.return_rate.forget_sessions()
         self.withdraw_pending = False
         self.scale.forget()
@@ -259,15 +256,6 @@ class ProtectionPolicy:
             if shrank:
                 self.enforce(components)
 
-    def on_session_reuse(self, sid: str, tokens: int) -> None:
-        """A returning, protected session's match reused ``tokens``."""
-        mark = self.registered_at.get(sid)
-        if mark is not None:
-            old = self.scale.scale
-            self.scale.saved(tokens, self.scale.evicted_tokens - mark)
-            if self.scale.scale != old:
-                self._apply_limits()
-
     # ---- turns (earned protection) ----
 
     def on_open(self, sid: str) -> None:
@@ -309,12 +297,9 @@ class ProtectionPolicy:
             protected[sid] = None
         if self.auto and self.turns.get(sid, 0) < 2:
             self.first_turn_only[sid] = None
-        if self.scale.capacity:
-            self.registered_at[sid] = self.scale.evicted_tokens
 
     def forget(self, sid: str) -> None:
         """The session was closed, expired or released."""
-        self.registered_at.pop(sid, None)
         self.turns.pop(sid, None)
         self.protected.pop(sid, None)
         self.first_turn_only.pop(sid, None)
@@ -331,7 +316,6 @@ class ProtectionPolicy:
 
     def _withdraw(self, sid: str, components: dict) -> None:
         self.protected.pop(sid, None)
-        self.registered_at.pop(sid, None)
         for refs in components.values():
             self.withdrawn_refs += refs.release_session(sid)
 

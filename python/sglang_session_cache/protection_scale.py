@@ -11,10 +11,6 @@ ARC's ghost lists:
 * While references exist, each **unreferenced** FULL node evicted from the
   device leaves a *ghost*: its place (parent node and first page, as the
   tree keys children) and its size.  Ghosts are bounded to one pool of tokens, oldest dropped first.
-* A returning session that reuses its referenced KV after a whole pool of
-  unreferenced KV was evicted since its last registration was saved by
-  protection (plain LRU would have evicted it): the scale grows by what it
-  reused.
 * When a request's device match stops exactly where a ghost was (same parent,
   same next tokens), the request missed KV that protection pushed out:
   - from a session that has **returned** (its second request or later), the
@@ -81,12 +77,8 @@ class ProtectionScale:
         self.budget = 0  # most ghost tokens kept
         self.ghosts: OrderedDict = OrderedDict()
         self.ghost_tokens = 0
-        # unreferenced FULL tokens evicted while references held other KV
-        # (monotonic): a session whose KV sat untouched while a whole pool of
-        # it went would have lost that KV under plain LRU
-        self.evicted_tokens = 0
         # monotonic counters
-        self.grew = 0  # returning sessions: ghost hits, and reuse protection saved
+        self.grew = 0  # ghost hits by returning sessions
         self.shrank = 0  # ghost hits by other requests
 
     def configure(self, capacity: Optional[int]) -> None:
@@ -109,7 +101,6 @@ class ProtectionScale:
         ``whole_only``: a match cannot end inside it (Mamba caches)."""
         if not self.capacity or size <= 0:
             return
-        self.evicted_tokens += size
         key = ghost_key(parent_id, tokens, self.page)
         ghosts = self.ghosts
         old = ghosts.pop(key, None)
@@ -165,15 +156,6 @@ class ProtectionScale:
         old = self.scale
         self.scale = max(0.0, self.scale - step)
         return self.scale < old
-
-    def saved(self, tokens: int, evicted_since: int) -> None:
-        """A returning session reused ``tokens`` under its reference, after
-        ``evicted_since`` unreferenced tokens were evicted since it was last
-        registered: from a whole pool on, plain LRU would have evicted them,
-        so protection saved them and the scale grows."""
-        if self.capacity and tokens > 0 and evicted_since >= self.capacity:
-            self.grew += 1
-            self.scale = min(1.0, self.scale + tokens / self.capacity)
 
     def validate(self) -> Optional[str]:
         if not 0.0 <= self.scale <= 1.0:

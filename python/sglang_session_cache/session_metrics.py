@@ -193,8 +193,8 @@ _COUNTERS = (
      "Requests that missed unreferenced KV evicted while protection held other "
      "KV (each shrinks the learned protection scale).", False),
     ("protection_scale_grew", "sglang:session_radix_protection_scale_grew_total",
-     "Returning sessions that missed their own unprotected KV, or reused KV "
-     "plain LRU would have evicted (each grows the learned protection scale).", False),
+     "Returning sessions that missed their own unprotected KV (each grows the "
+     "learned protection scale).", False),
     ("referenced_evictions", "sglang:session_radix_referenced_evictions_total",
      "Evictions that removed referenced device data (soft-protection breaches), "
      "per component.", True),

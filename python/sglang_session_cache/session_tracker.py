@@ -353,8 +353,6 @@ class UnifiedSessionRefTracker:
         matched = len(result.device_indices)
         sid = plain_session_id(session_id_of(req))
         returning = sid is not None and policy.turns.get(sid, 0) >= 2
-        if returning and matched:
-            policy.on_session_reuse(sid, matched)
         end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
         node = result.last_device_node
         if matched >= end or node is None or not policy.scale.ghosts:

@@ -4,6 +4,7 @@ on its own and through the real UnifiedRadixCache."""
 
 import os
 import sys
+from array import array
 
 import pytest
 
@@ -11,6 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from session_test_utils import SHAPES, prompt, turn  # noqa: E402
 
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 from sglang_session_cache.protection_policy import (  # noqa: E402
     AUTO,
@@ -72,14 +75,28 @@ def test_mamba_ghosts_count_up_to_the_deepest_state():
     assert s.scale == pytest.approx(1 - 15 / 1000)  # nothing it could reuse
 
 
-def test_sessions_saved_by_protection_grow_the_scale():
-    s = ProtectionScale()
-    s.configure(1000)
-    s.scale = 0.5
-    s.saved(200, evicted_since=999)  # plain LRU might still have kept it
-    assert s.scale == 0.5
-    s.saved(200, evicted_since=1000)  # a whole pool went by: LRU would not
-    assert s.scale == pytest.approx(0.7) and s.grew == 1
+def test_protected_sessions_reusing_their_kv_do_not_move_the_scale():
+    # Only misses move it: a protected session's own hits are what protection
+    # is for.  Counting them too ("saved: plain LRU would have evicted it")
+    # held too much of the pool once one-shot traffic shared hot documents
+    # (measured; docs: "Hits do not move the scale").
+    h = SHAPES["full"](num_tokens=1024)
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(AUTO, AUTO)
+    policy = tracker.policy
+    policy.scale.scale = 0.5
+    policy._apply_limits()
+    conv = prompt(10_000, 60)
+    turn(h, conv, "s")
+    conv = conv + prompt(20_000, 10)
+    turn(h, conv, "s")  # returned: protected
+    for i in range(20):  # more than a pool of unreferenced KV goes by
+        turn(h, prompt(100_000 + 1000 * i, 150))
+    before = h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", conv))))
+    assert len(before.device_indices) == len(conv)  # protection kept it
+    turn(h, conv + prompt(30_000, 10), "s")
+    assert policy.scale.scale == 0.5 and policy.scale.grew == 0
+    h.cache.validate_session_state()
 
 
 def test_ghosts_are_bounded_by_the_pool_and_clamped():
