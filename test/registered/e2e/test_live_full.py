@@ -2,7 +2,7 @@
 
 Servers (started once, in parallel): ``on`` = unified tree + the flag +
 ``--session-radix-cache-ttl`` + ``--enable-metrics``; ``off`` = unified tree,
-flag off (stock SGLang); ``no_unified`` = the flag without
+flag off (stock SGLang); both with ``--enable-streaming-session``; ``no_unified`` = the flag without
 SGLANG_ENABLE_UNIFIED_RADIX_TREE, which must fail at start-up.
 """
 
@@ -29,8 +29,10 @@ def servers(request):
                                 max_total_tokens=POOL, name="llama-no-unified").start()
     srv = module_servers(request, {
         "on": LaunchedServer("llama", session_cache=True, max_total_tokens=POOL, name="llama-on",
-                             extra_args=["--enable-metrics", "--session-radix-cache-ttl", str(TTL_S)]),
-        "off": LaunchedServer("llama", session_cache=False, max_total_tokens=POOL, name="llama-off"),
+                             extra_args=["--enable-metrics", "--session-radix-cache-ttl", str(TTL_S),
+                                         "--enable-streaming-session"]),
+        "off": LaunchedServer("llama", session_cache=False, max_total_tokens=POOL, name="llama-off",
+                              extra_args=["--enable-streaming-session"]),
     })
     request.addfinalizer(no_unified.stop)
     srv["no_unified"] = no_unified
@@ -116,6 +118,35 @@ def test_classic_session_prefix_survives_pressure_only_with_the_flag(servers):
     assert r.status_code == 400 and "does not exist" in r.text
     assert close(url, sid).status_code == 200  # closing again is harmless
     generate(url, [1, 2, 3])
+
+
+def streaming_turns(url: str) -> list:
+    """A streaming session (SGLang's own KV path): three appended turns, then
+    close; returns (prompt tokens, cached tokens) per turn."""
+    r = requests.post(url + "/open_session",
+                      json={"capacity_of_str_len": 100_000, "streaming": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    sid = r.json()
+    rng = random.Random(6)
+    seen = []
+    for t in range(3):
+        res = generate(url, ([9] + tokens(rng, 50)) if t == 0 else tokens(rng, 10),
+                       session_params={"id": sid})
+        seen.append((res["meta_info"]["prompt_tokens"], res["meta_info"]["cached_tokens"]))
+    assert close(url, sid).status_code == 200
+    return seen
+
+
+def test_streaming_sessions_are_left_to_sglang(servers):
+    # Streaming sessions own their KV through SGLang's streaming path; the flag
+    # stays out of their way: the same turns reuse exactly what they reuse
+    # without it.
+    flush(servers["on"].url)
+    flush(servers["off"].url)
+    on, off = streaming_turns(servers["on"].url), streaming_turns(servers["off"].url)
+    assert on == off, (on, off)
+    assert all(cached >= prompt - 12 for prompt, cached in on[1:]), on
+    generate(servers["on"].url, [1, 2, 3])  # still serving
 
 
 BAD_IDS = {
