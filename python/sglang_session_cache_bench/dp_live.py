@@ -38,25 +38,43 @@ def _generate(url: str, ids: list, sid: str, n_out: int) -> dict:
         return json.loads(r.read())
 
 
+def interleaved_turns(url: str, sessions: int = 3, turns: int = 4, seed: int = 0) -> list:
+    """``sessions`` conversations sent one turn of each in turn (so a plain
+    round robin over two ranks moves every session of an odd count each
+    turn); every turn resends the conversation so far plus 32 new tokens.
+    One row per request: session, turn, prompt and cached tokens, and
+    ``prev``, the previous turn's prompt plus output (0 on the first)."""
+    rng = random.Random(seed)
+    convs = {f"s{i}": [rng.randrange(VOCAB_SIZE) for _ in range(64)] for i in range(sessions)}
+    prev = dict.fromkeys(convs, 0)
+    rows = []
+    for t in range(turns):
+        for sid, conv in convs.items():
+            out = _generate(url, conv, sid, 4)
+            meta = out["meta_info"]
+            rows.append({"session": sid, "turn": t + 1, "prompt": meta["prompt_tokens"],
+                         "cached": meta.get("cached_tokens", 0), "prev": prev[sid]})
+            # The next turn resends this prompt plus new tokens (the model's
+            # output ids when the response carries them).
+            conv += list(out.get("output_ids") or [])
+            prev[sid] = len(conv)
+            conv += [rng.randrange(VOCAB_SIZE) for _ in range(32)]
+    return rows
+
+
+def prefills_per_rank(log: str) -> dict:
+    """DP rank -> prefill batches, from the scheduler log lines."""
+    ranks = _PREFILL.findall(log)
+    return {k: ranks.count(k) for k in sorted(set(ranks))}
+
+
 def run(affinity: bool, sessions: int = 3, turns: int = 4, seed: int = 0,
         startup_timeout: float = 900) -> dict:
-    rng = random.Random(seed)
     extra = ["--dp-size", "2"] + ([] if affinity else ["--disable-session-dp-affinity"])
-    rows = []
     with LaunchedServer("llama", name=f"dp2-{'aff' if affinity else 'rr'}",
                         extra_args=extra) as srv:
         srv.wait_ready(startup_timeout)
-        convs = {f"s{i}": [rng.randrange(VOCAB_SIZE) for _ in range(64)] for i in range(sessions)}
-        for t in range(turns):
-            for sid, conv in convs.items():
-                out = _generate(srv.url, conv, sid, 4)
-                meta = out["meta_info"]
-                rows.append({"session": sid, "turn": t + 1, "prompt": meta["prompt_tokens"],
-                             "cached": meta.get("cached_tokens", 0)})
-                # The next turn resends this prompt plus new tokens (the
-                # model's output ids when the response carries them).
-                conv += list(out.get("output_ids") or []) + [rng.randrange(VOCAB_SIZE)
-                                                           for _ in range(32)]
+        rows = interleaved_turns(srv.url, sessions, turns, seed)
         log = srv.log_text()
     followups = [r for r in rows if r["turn"] > 1]
     return {
@@ -64,8 +82,7 @@ def run(affinity: bool, sessions: int = 3, turns: int = 4, seed: int = 0,
         "rows": rows,
         "followup_hit": sum(r["cached"] for r in followups) / max(1, sum(r["prompt"] for r in followups)),
         "affinity_line": AFFINITY_LINE in log,
-        "prefills_per_rank": {k: _PREFILL.findall(log).count(k)
-                              for k in sorted(set(_PREFILL.findall(log)))},
+        "prefills_per_rank": prefills_per_rank(log),
         "traceback": "Traceback" in log,
         "log_path": str(srv.log_path),
     }

@@ -10,17 +10,19 @@ from typing import Dict, Iterable, List, Optional
 import pytest
 import requests
 
-from sglang_session_cache_bench.live_server import LaunchedServer, start_all
+from sglang_session_cache_bench.live_server import (DEFAULT_STARTUP_TIMEOUT_S, LaunchedServer,
+                                                      start_all)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def module_servers(request, servers: Dict[str, LaunchedServer], allow_traceback=()):
+def module_servers(request, servers: Dict[str, LaunchedServer], allow_traceback=(),
+                   startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S):
     """Start ``servers`` in parallel; the finalizer stops them, prints their logs
     if any test of the module failed, and fails on a Traceback in a log."""
     failed_before = request.session.testsfailed
     servers = dict(servers)  # the caller may add entries to the returned dict
-    start_all(servers.values())
+    start_all(servers.values(), timeout=startup_timeout)
 
     def finish():
         for s in servers.values():

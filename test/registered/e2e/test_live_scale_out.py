@@ -13,18 +13,13 @@ where its KV is.
 All four servers start once, in parallel.
 """
 
-import random
-import re
-
 import pytest
 
-from live_utils import close, generate, metric_values, module_servers, tokens
+from live_utils import close, generate, metric_values, module_servers
 from sglang_session_cache.close_fanout import close_everywhere, router_workers
+from sglang_session_cache_bench.dp_live import AFFINITY_LINE, interleaved_turns, prefills_per_rank
 from sglang_session_cache_bench.live_server import LaunchedServer
 from sglang_session_cache_bench.smg_live import Router, replay, small_trace
-
-AFFINITY_LINE = "Session DP affinity on"
-PREFILL_RANK = re.compile(r"^\[[^\]]* DP(\d+)\] Prefill batch", re.M)
 
 
 @pytest.fixture(scope="module")
@@ -35,39 +30,22 @@ def servers(request):
                                 extra_args=["--dp-size", "2", "--disable-session-dp-affinity"]),
         "w0": LaunchedServer("llama", name="smg-w0", extra_args=["--enable-metrics"]),
         "w1": LaunchedServer("llama", name="smg-w1", extra_args=["--enable-metrics"]),
-    })
-
-
-def interleaved_sessions(url: str, prefix: str, sessions: int = 3, turns: int = 3) -> dict:
-    """``sessions`` conversations, one turn of each in turn (so a plain round
-    robin over an even number of ranks moves every session each turn); every
-    turn resends the conversation so far plus new tokens.  Returns per session
-    the (cached tokens, previous prompt + output) of each turn."""
-    rng = random.Random(7)
-    convs = {f"{prefix}{i}": [3 + i] + tokens(rng, 64) for i in range(sessions)}
-    prev = {sid: 0 for sid in convs}
-    out: dict = {sid: [] for sid in convs}
-    for _ in range(turns):
-        for sid, conv in convs.items():
-            res = generate(url, conv, sid)
-            out[sid].append((res["meta_info"]["cached_tokens"], prev[sid]))
-            conv += res["output_ids"]
-            prev[sid] = len(conv)
-            conv += tokens(rng, 32)
-    return out
+    # Six scheduler processes start at once here (two per DP server): on a
+    # 2-core box under a full test run that has taken over 300 s.
+    }, startup_timeout=900)
 
 
 def test_dp_affinity_keeps_every_turn_on_the_rank_holding_its_kv(servers):
     srv = servers["dp"]
-    turns = interleaved_sessions(srv.url, "aff-")
-    for sid, recs in turns.items():
-        for cached, prev in recs[1:]:
-            assert cached >= prev, (sid, recs)
+    rows = interleaved_turns(srv.url, sessions=3, turns=3, seed=7)
+    for r in rows:
+        if r["turn"] > 1:
+            assert r["cached"] >= r["prev"], rows
     log = srv.log_text()
     assert AFFINITY_LINE in log  # the patch reached the spawned controller
     # The sessions are spread over both ranks, not pinned to one.
-    assert set(PREFILL_RANK.findall(log)) == {"0", "1"}
-    for sid in turns:
+    assert set(prefills_per_rank(log)) == {"0", "1"}
+    for sid in {r["session"] for r in rows}:
         assert close(srv.url, sid).status_code == 200
         assert close(srv.url, sid).status_code == 200  # again: harmless
     generate(srv.url, [1, 2, 3])  # still serving
@@ -75,11 +53,10 @@ def test_dp_affinity_keeps_every_turn_on_the_rank_holding_its_kv(servers):
 
 def test_without_affinity_round_robin_moves_sessions_off_their_kv(servers):
     srv = servers["dp_rr"]
-    turns = interleaved_sessions(srv.url, "rr-")
+    rows = interleaved_turns(srv.url, sessions=3, turns=3, seed=7)
     assert AFFINITY_LINE not in srv.log_text()
-    missed = [(sid, recs) for sid, recs in turns.items()
-              if any(cached < prev for cached, prev in recs[1:])]
-    assert missed, turns  # the contrast: stock routing loses the session's KV
+    missed = [r for r in rows if r["turn"] > 1 and r["cached"] < r["prev"]]
+    assert missed, rows  # the contrast: stock routing loses the session's KV
 
 
 def test_smg_manual_policy_routes_each_session_to_one_worker(servers, tmp_path):
