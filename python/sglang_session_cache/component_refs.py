@@ -34,7 +34,10 @@ Coverage rules are structural (they look at keys and parents, not at whether
 device memory is present), so evicting a component's data in place never
 changes a count.  Counts change only on register/release, on node splits and
 when a referenced leaf loses its data (its reference moves to the nearest
-reusable ancestor).  ``validate`` recomputes everything from the leaf index.
+reusable ancestor).  When eviction deletes a session leaf, the counts move at
+once but the leaf index follows lazily (see "lazy hand-over" below), so the
+eviction path does not depend on how many sessions share the leaf.
+``validate`` resolves the index, then recomputes everything from it.
 """
 
 from __future__ import annotations
@@ -75,10 +78,6 @@ class ComponentSessionRefs(ABC):
     #: node costs no extra memory hop where ``component_data[0]`` costs two.
     mirror_on_node = False
     notify_ref_change = True
-    #: Whether handing a deleted leaf's reference to its parent changes no
-    #: count but the leaf's own (FULL: the parent's path is the same path).
-    parent_handover_free = False
-
     def __init__(
         self,
         component: TreeComponent,
@@ -103,6 +102,105 @@ class ComponentSessionRefs(ABC):
     def units(self, node: UnifiedTreeNode) -> int:
         """What a referenced ``node`` counts toward ``ref_units``."""
         return len(node.key)
+
+    # ---- lazy hand-over of deleted leaves ----
+    #
+    # When eviction deletes a session leaf, each component updates its counts
+    # at once, for all of the leaf's references together, but leaves the
+    # per-session index alone: the entries keep pointing at the deleted node
+    # (marked ``session_deleted``) and are resolved when that session is next
+    # read, registered, dropped or released (``_resolve``), or by the
+    # validator.  FULL and SWA hand the leaf to its parent: its reverse
+    # entries move there in one set union, and an entry resolves to the
+    # nearest live ancestor whose reverse set names the session -- where the
+    # unions took it, the node an eager hand-over would have chosen.  Mamba,
+    # when no ancestor holds a state, drops the references: its entries on
+    # deleted nodes resolve to nothing.  Eviction thus costs O(window) (SWA)
+    # or O(1) whatever the number of sessions on the leaf; a deleted node
+    # stays in memory, its KV freed, until its sessions are next touched or
+    # closed.
+
+    def _lazy_target(self, sid: str, node: UnifiedTreeNode):
+        """Where ``sid``'s entry on the deleted ``node`` resolves to (None:
+        dropped)."""
+        ct = self.ct
+        root = self.cache.root_node
+        cur = node.parent
+        while cur is not None and cur is not root:
+            if not cur.session_deleted:
+                rev = cur.component_data[ct].session_leaf_of
+                if rev is not None and sid in rev:
+                    return cur
+            cur = cur.parent
+        return None
+
+    def _merged(self, target: UnifiedTreeNode) -> None:
+        """A resolved entry landed on ``target``, which the session already
+        held: the deletion counted the reference once more than the index
+        now has (leaf references: one cover too many)."""
+        self._remove_cover(target)
+
+    def _resolve(self, sid: str, keep=None):
+        """``sid``'s leaf index with its entries on deleted nodes resolved
+        (an ancestor reached twice keeps its newest registration); ``keep``:
+        a node being deleted right now, whose entries the caller moves."""
+        idx = self.leaves.get(sid)
+        if not idx:
+            return idx
+        dead = [n for n in idx if n.session_deleted and n is not keep]
+        if not dead:
+            return idx
+        for node in dead:
+            turn = idx.pop(node)
+            target = self._lazy_target(sid, node)
+            if target is None:
+                continue
+            old = idx.get(target)
+            if old is None:
+                idx[target] = turn
+            else:
+                if turn > old:
+                    idx[target] = turn
+                self._merged(target)
+        if not idx:
+            del self.leaves[sid]
+        return idx
+
+    def leaves_of(self, sid: str) -> dict:
+        """``sid``'s leaf index (``{leaf: (stamp, arrived)}``), resolved."""
+        return self._resolve(sid) or {}
+
+    def resolve_all(self) -> None:
+        for sid in list(self.leaves):
+            self._resolve(sid)
+
+    def _hand_over_to_parent(self, node: UnifiedTreeNode, sids: set) -> None:
+        """Reverse entries of the deleted ``node`` to its parent (one union);
+        the index follows lazily."""
+        pcd = node.parent.component_data[self.ct]
+        node.component_data[self.ct].session_leaf_of = None
+        if pcd.session_leaf_of is None:
+            pcd.session_leaf_of = sids  # the deleted node's set, reused
+        else:
+            pcd.session_leaf_of |= sids
+        node.session_deleted = True
+
+    def _lazy_parent(self, node: UnifiedTreeNode, node_deleted: bool):
+        """The parent a deleted leaf hands over to lazily, or None when the
+        general route applies (not a deletion, children left, the root, or
+        a parent without KV)."""
+        parent = node.parent
+        if (
+            not node_deleted
+            or node.children
+            or parent is None
+            or parent is self.cache.root_node
+        ):
+            return None
+        pcd = parent.component_data[0]  # structural: the parent holds KV
+        if pcd.value is None and pcd.host_value is None:
+            return None
+        return parent
 
     # ---- the rule each component defines ----
 
@@ -136,7 +234,7 @@ class ComponentSessionRefs(ABC):
             self.ref_units -= self.units(node)
         elif old == 0:
             self.ref_units += self.units(node)
-        if ref == 0 or (ref == 1 and delta == 1):
+        if ref == 0 or old == 0:  # flipped (delta is never 0)
             self._on_ref_change(node, self.ct)
 
     def _clear_node(self, node: UnifiedTreeNode) -> None:
@@ -222,7 +320,7 @@ class ComponentSessionRefs(ABC):
     def _register(self, sid: str, leaf: UnifiedTreeNode) -> bool:
         """Index ``leaf`` for ``sid`` and subsume its ancestor leaves; False
         when it was indexed already (nothing changed)."""
-        idx = self.leaves.get(sid)
+        idx = self._resolve(sid)
         if idx is not None and leaf in idx:
             return False
         subsumed = self._indexed_ancestors(idx, leaf) if idx else ()
@@ -237,6 +335,7 @@ class ComponentSessionRefs(ABC):
 
     def release_session(self, sid: str) -> int:
         """Drop every reference ``sid`` holds on this component."""
+        self._resolve(sid)
         leaves = self.leaves.pop(sid, None)
         if not leaves:
             return 0
@@ -248,7 +347,7 @@ class ComponentSessionRefs(ABC):
     def drop_session_leaf(self, sid: str, leaf: UnifiedTreeNode) -> bool:
         """Drop one leaf reference of ``sid`` (the session's other leaves keep
         theirs).  Returns whether ``leaf`` was referenced by ``sid``."""
-        idx = self.leaves.get(sid)
+        idx = self._resolve(sid)
         if not idx or leaf not in idx:
             return False
         self._unindex_leaf(sid, leaf)
@@ -271,6 +370,10 @@ class ComponentSessionRefs(ABC):
         sids = cd.session_leaf_of
         if not sids:
             return
+        # Entries still on deleted nodes below are moved one by one here:
+        # bring them up to this node first.
+        for sid in list(sids):
+            self._resolve(sid, keep=node)
         # Wholesale drop relies on nothing below covering the node.
         node_deleted = node_deleted and not node.children
         parent = node.parent
@@ -279,8 +382,6 @@ class ComponentSessionRefs(ABC):
         else:
             target = self._nearest_reusable_ancestor(node)
         cd.session_leaf_of = None
-        # FULL handing a deleted leaf to its parent changes no count.
-        counts_move = not (self.parent_handover_free and node_deleted and target is parent)
         leaves = self.leaves
         for sid in sids:
             idx = leaves[sid]
@@ -299,8 +400,7 @@ class ComponentSessionRefs(ABC):
                         tcd.session_leaf_of.add(sid)
                 elif turn > old:
                     idx[target] = turn
-            if counts_move:
-                self._move_cover(sid, node, target if fresh else None, node_deleted)
+            self._move_cover(sid, node, target if fresh else None, node_deleted)
             if not idx:
                 del leaves[sid]
         if node_deleted:
@@ -342,6 +442,7 @@ class ComponentSessionRefs(ABC):
     def coverage(self) -> dict:
         """``{node: {sid: number of sid's leaves covering node}}``, recomputed
         from the leaf index (for the validator and tests; O(leaves x cover))."""
+        self.resolve_all()
         out: dict = {}
         for sid, leaves in self.leaves.items():
             for leaf in leaves:
@@ -359,6 +460,7 @@ class ComponentSessionRefs(ABC):
         return None
 
     def validate(self, nodes: list) -> None:
+        self.resolve_all()
         name = str(self.ct)
         root = self.cache.root_node
         in_tree = {n.id for n in nodes}
@@ -428,6 +530,7 @@ class ComponentSessionRefs(ABC):
 
     def referenced_nodes(self) -> set:
         """Nodes some session leaf covers for this component."""
+        self.resolve_all()
         seen: set = set()
         for leaves in self.leaves.values():
             for leaf in leaves:
@@ -453,11 +556,15 @@ class FullSessionRefs(ComponentSessionRefs):
     dropping a leaf touch only the part of its path no other leaf of the same
     session covers (found by walking the session's other leaves up to where
     they meet the path); a split copies the count, since the new upper node
-    has exactly the lower node's subtree."""
+    has exactly the lower node's subtree.  A deleted leaf handed to its
+    parent changes no count but its own (the parent's path is the same
+    path)."""
 
     mirror_on_node = True
     notify_ref_change = False
-    parent_handover_free = True
+
+    def _merged(self, target):
+        return  # distinct sessions: a second entry on a node counts nothing
 
     def covered(self, leaf):
         root = self.cache.root_node
@@ -499,7 +606,7 @@ class FullSessionRefs(ComponentSessionRefs):
         return best
 
     def _register(self, sid, leaf):
-        idx = self.leaves.get(sid)
+        idx = self._resolve(sid)
         if idx is not None and leaf in idx:
             return False
         root = self.cache.root_node
@@ -529,6 +636,7 @@ class FullSessionRefs(ComponentSessionRefs):
         return True
 
     def release_session(self, sid):
+        self._resolve(sid)
         leaves = self.leaves.pop(sid, None)
         if not leaves:
             return 0
@@ -545,7 +653,7 @@ class FullSessionRefs(ComponentSessionRefs):
         return len(leaves)
 
     def drop_session_leaf(self, sid, leaf):
-        idx = self.leaves.get(sid)
+        idx = self._resolve(sid)
         if not idx or leaf not in idx:
             return False
         self._unindex_leaf(sid, leaf)
@@ -555,39 +663,15 @@ class FullSessionRefs(ComponentSessionRefs):
         return True
 
     def discard_deleted_session_leaf(self, node, node_deleted=True):
-        # The eviction case, on every referenced leaf FULL deletes: the leaf
-        # hands its sessions to a parent that still holds KV.  The parent's
-        # path is the same path, so only the index and the leaf's own count
-        # change; anything else takes the general route.
+        # The eviction case, on every referenced leaf FULL deletes: only the
+        # leaf's own count changes; anything else takes the general route.
         cd = node.component_data[0]
         sids = cd.session_leaf_of
         if not sids:
             return
-        parent = node.parent
-        if (
-            not node_deleted
-            or node.children
-            or parent is None
-            or parent is self.cache.root_node
-        ):
+        if self._lazy_parent(node, node_deleted) is None:
             return super().discard_deleted_session_leaf(node, node_deleted)
-        pcd = parent.component_data[0]
-        if pcd.value is None and pcd.host_value is None:
-            return super().discard_deleted_session_leaf(node, node_deleted)
-        cd.session_leaf_of = None
-        leaves = self.leaves
-        reverse = pcd.session_leaf_of
-        for sid in sids:
-            idx = leaves[sid]
-            turn = idx.pop(node)
-            old = idx.get(parent)
-            if old is None:
-                idx[parent] = turn
-                if reverse is None:
-                    reverse = pcd.session_leaf_of = set()
-                reverse.add(sid)
-            elif turn > old:  # a leaf reached twice keeps its newest registration
-                idx[parent] = turn
+        self._hand_over_to_parent(node, sids)
         if cd.session_ref:
             self.ref_units -= len(node.key)
         cd.session_ref = 0
@@ -616,6 +700,7 @@ class FullSessionRefs(ComponentSessionRefs):
 
     def referenced_nodes(self) -> set:
         # Path rule: a node already seen has all its ancestors seen too.
+        self.resolve_all()
         root = self.cache.root_node
         seen: set = set()
         for leaves in self.leaves.values():
@@ -682,32 +767,52 @@ class SWASessionRefs(ComponentSessionRefs):
         node.component_data[self.ct].session_below = None
         super()._clear_node(node)
 
-    def _move_cover(self, sid, node, target, node_deleted):
-        if target is None or not node_deleted or target is not node.parent:
-            return super()._move_cover(sid, node, target, node_deleted)
-        # A deleted leaf handing over to its parent (the eviction case), in
-        # one walk: nodes the old window reached only move to a nearer
-        # distance (no count change); nodes newly in reach gain a reference.
+    def discard_deleted_session_leaf(self, node, node_deleted=True):
+        # The eviction case: a deleted leaf hands its references (all at
+        # distance 0: it has no children) to its parent together, in one
+        # walk: nodes the old windows reached only move to a nearer distance
+        # (no count change); nodes newly in reach gain them.  The index
+        # follows lazily.
+        ct = self.ct
+        cd = node.component_data[ct]
+        sids = cd.session_leaf_of
+        if not sids:
+            return
+        parent = self._lazy_parent(node, node_deleted)
+        if parent is None:
+            return super().discard_deleted_session_leaf(node, node_deleted)
+        hist = cd.session_below
+        moved = hist.get(0, 0) if hist else 0
+        self._hand_over_to_parent(node, sids)
         root = self.cache.root_node
         window = self.window
         shift = len(node.key)
-        ct = self.ct
         acc = 0
-        cur = target
-        while cur is not None and cur is not root and acc < window:
+        cur = parent
+        while moved:
             old = acc + shift
             if old < window:
-                hist = cur.component_data[ct].session_below
-                c = hist[old]
-                if c == 1:
-                    del hist[old]
+                h = cur.component_data[ct].session_below
+                left = h[old] - moved
+                if left:
+                    h[old] = left
                 else:
-                    hist[old] = c - 1
-                hist[acc] = hist.get(acc, 0) + 1
+                    del h[old]
+                h[acc] = h.get(acc, 0) + moved
             else:
-                self._at(cur, acc, 1)
-            acc += len(cur.key)
-            cur = cur.parent
+                self._at(cur, acc, moved)
+            nxt = cur.parent
+            if nxt is None or nxt is root:
+                break
+            acc += len(cur.key)  # only when the walk goes on: a key's length is a call
+            if acc >= window:
+                break
+            cur = nxt
+        # Counts dropped wholesale (what _clear_node does, its length known).
+        if cd.session_ref:
+            self.ref_units -= shift
+        cd.session_ref = 0
+        cd.session_below = None
 
     def on_split(self, new_parent, child):
         hist = child.component_data[self.ct].session_below
@@ -774,7 +879,9 @@ class MambaSessionRefs(ComponentSessionRefs):
     def discard_deleted_session_leaf(self, node, node_deleted=True):
         # The eviction case: no ancestor holds a state (SGLang keeps them
         # where inserts ended), so every reference on the node just goes --
-        # its count drops to zero in one step.
+        # its count drops to zero in one step.  A deleted node's index
+        # entries follow lazily (they resolve to nothing); a node that only
+        # lost its state stays in the tree, so its entries go now.
         cd = node.component_data[self.ct]
         sids = cd.session_leaf_of
         if not sids:
@@ -782,16 +889,20 @@ class MambaSessionRefs(ComponentSessionRefs):
         if self._nearest_reusable_ancestor(node) is not None:
             return super().discard_deleted_session_leaf(node, node_deleted)
         cd.session_leaf_of = None
+        if node_deleted and not node.children:
+            node.session_deleted = True
+            self._clear_node(node)
+            return
         leaves = self.leaves
         for sid in sids:
             idx = leaves[sid]
             del idx[node]
             if not idx:
                 del leaves[sid]
-        if node_deleted and not node.children:
-            self._clear_node(node)
-        else:
-            self._bump(node, -len(sids))
+        self._bump(node, -len(sids))
+
+    def _lazy_target(self, sid, node):
+        return None  # dropped: no ancestor held a state when it was deleted
 
     def account_split(self, new_parent, child):
         return  # the child keeps its state; the new upper node has none

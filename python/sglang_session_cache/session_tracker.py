@@ -594,7 +594,7 @@ class UnifiedSessionRefTracker:
 
     def session_leaves(self, session_id: str, ct=0) -> set:
         refs: ComponentSessionRefs = self.components[ct]
-        return set(refs.leaves.get(session_id, ()))
+        return set(refs.leaves_of(session_id))
 
     def validate_session_state(self, nodes: Optional[list] = None) -> None:
         """Recompute every count from the leaf indices; raise

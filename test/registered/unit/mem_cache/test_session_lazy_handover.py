@@ -1,0 +1,175 @@
+"""Deleted session leaves hand over lazily, on the real UnifiedRadixCache.
+
+Eviction updates the counts of a deleted session leaf at once (for all its
+references together) and leaves each session's index entry on the deleted
+node; the entry is resolved when the session is next read, registered or
+released.  What a session protects must be exactly what the eager hand-over
+gave: FULL and SWA move to the nearest ancestor still holding KV, Mamba drops
+the reference when no ancestor holds a state.  The fixture validates every
+count against the (resolved) leaf index after each test."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from session_test_utils import SHAPES, arrive  # noqa: E402
+
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH  # noqa: E402
+from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
+
+FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
+SYSTEM = list(range(1000, 1040))
+
+
+@pytest.fixture(params=list(SHAPES))
+def h(request):
+    harness = SHAPES[request.param]()
+    yield harness
+    harness.cache.validate_session_state()
+    harness.check()
+
+
+def tracker(h):
+    return h.cache.session_ref_tracker
+
+
+def finish(h, req):
+    # Finishes at prefill, so the session leaf is the prompt's own node.
+    h.prefill(req, finishing=True)
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    h.finish(req)
+    return req
+
+
+def serve(h, tokens, sid):
+    return finish(h, arrive(h, tokens, sid))
+
+
+def leaf(h, sid):
+    (node,) = tracker(h).session_leaves(sid)
+    return node
+
+
+def delete(h, node):
+    """Evict one device leaf whole, as the eviction walks do."""
+    assert not node.children
+    h.cache._evict_device_leaf(node, {ct: 0 for ct in h.cache.tree_components})
+
+
+def expected_leaves(h, node):
+    """What the eager hand-over gave a session whose leaf was deleted below
+    ``node``: FULL and SWA move to it; Mamba only if it holds a state."""
+    out = {FULL: {node}}
+    comps = tracker(h).components
+    if SWA in comps:
+        out[SWA] = {node}
+    if MAMBA in comps:
+        out[MAMBA] = {node} if node.component_data[MAMBA].value is not None else set()
+    return out
+
+
+def assert_leaves(h, sid, want):
+    for ct, nodes in want.items():
+        assert tracker(h).session_leaves(sid, ct) == nodes, ct
+
+
+def test_deleted_leaf_resolves_to_its_parent(h):
+    serve(h, SYSTEM + [1] * 8, "a")
+    serve(h, SYSTEM + [2] * 8, "b")
+    a = leaf(h, "a")
+    parent = a.parent
+    assert leaf(h, "b").parent is parent
+    before = parent.component_data[FULL].session_ref
+    delete(h, a)
+    full = tracker(h).components[FULL]
+    # The eviction left the index entry on the deleted node (O(1) per
+    # deletion, whatever the number of sessions on it) ...
+    assert a in full.leaves["a"] and a.session_deleted
+    assert a.component_data[FULL].session_ref == 0
+    # ... and reading the session resolves it to what eager gave.
+    assert_leaves(h, "a", expected_leaves(h, parent))
+    assert a not in full.leaves["a"]
+    assert parent.component_data[FULL].session_ref == before == 2  # a and b
+
+
+def test_chain_of_deletions_resolves_to_the_live_ancestor(h):
+    serve(h, SYSTEM + [1] * 8, "a")
+    serve(h, SYSTEM + [2] * 8, "b")
+    serve(h, SYSTEM[:20] + [3] * 20, "c")  # splits SYSTEM: root - S1 - S2 - {a, b}
+    a, b = leaf(h, "a"), leaf(h, "b")
+    s2 = a.parent
+    s1 = s2.parent
+    assert b.parent is s2 and s1.parent is h.cache.root_node
+    delete(h, a)
+    delete(h, b)
+    delete(h, s2)  # now a leaf itself, holding a and b only lazily
+    for sid in ("a", "b"):
+        assert_leaves(h, sid, expected_leaves(h, s1))
+    assert s1.component_data[FULL].session_ref == 3
+
+
+def test_deletion_under_the_root_drops_the_reference(h):
+    serve(h, SYSTEM + [1] * 8, "a")
+    serve(h, SYSTEM + [2] * 8, "b")
+    a, b = leaf(h, "a"), leaf(h, "b")
+    top = a.parent
+    assert top.parent is h.cache.root_node
+    delete(h, a)
+    delete(h, b)
+    delete(h, top)  # no ancestor below the root: the sessions keep nothing
+    for sid in ("a", "b"):
+        assert_leaves(h, sid, {ct: set() for ct in tracker(h).components})
+    for refs in tracker(h).components.values():
+        assert refs.ref_units == 0
+    assert tracker(h).open_sessions() == ["a", "b"]  # still open, just unprotected
+
+
+def test_two_branches_of_one_session_meet_on_their_parent(h):
+    # Concurrent requests of one session keep both leaves; deleting both
+    # lands both entries on the parent, counted once (SWA counts leaf
+    # references: the second one must be taken back).
+    ra = arrive(h, SYSTEM + [1] * 8, "s")
+    rb = arrive(h, SYSTEM + [2] * 8, "s")
+    for req in (ra, rb):
+        h.prefill(req, finishing=True)
+    for req in (rb, ra):
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        h.finish(req)
+    a, b = sorted(tracker(h).session_leaves("s"), key=lambda n: n.id)
+    parent = a.parent
+    assert b.parent is parent
+    delete(h, a)
+    delete(h, b)
+    assert_leaves(h, "s", expected_leaves(h, parent))
+    if SWA in tracker(h).components:
+        assert parent.component_data[SWA].session_below == {0: 1}
+
+
+def test_next_turn_after_a_deletion_keeps_only_the_new_leaf(h):
+    serve(h, SYSTEM + [1] * 8, "a")
+    serve(h, SYSTEM + [2] * 8, "b")
+    a = leaf(h, "a")
+    delete(h, a)
+    nxt = serve(h, SYSTEM + [1] * 8 + [4] * 8, "a")
+    new = leaf(h, "a")
+    assert new is not a and not new.session_deleted
+    for refs in tracker(h).components.values():
+        assert list(refs.leaves.get("a", {})) in ([new], []), refs.ct
+    assert len(nxt.origin_input_ids) == 56
+
+
+def test_close_after_a_deletion_releases_everything(h):
+    serve(h, SYSTEM + [1] * 8, "a")
+    a = leaf(h, "a")
+    serve(h, SYSTEM + [2] * 8, "b")
+    delete(h, a)
+    assert h.cache.release_radix_session("a") >= 0
+    h.cache.release_radix_session("b")
+    for refs in tracker(h).components.values():
+        assert refs.leaves == {} and refs.ref_units == 0
+    assert all(
+        cd.session_ref == 0 for n in h.tree_nodes() for cd in n.component_data
+    )
