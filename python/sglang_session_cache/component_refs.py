@@ -43,6 +43,7 @@ eviction path does not depend on how many sessions share the leaf.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
@@ -52,6 +53,13 @@ if TYPE_CHECKING:
 
 def _ignore(node, ct) -> None:
     return None
+
+
+#: Index entries a component may leave on deleted nodes (each keeps its node,
+#: token ids included, in memory).  Past it, the sessions with the oldest
+#: such entries are resolved until half are left: amortized O(1) per
+#: deletion, and never more work than handing every entry over at once.
+LAZY_ENTRY_LIMIT = 1024
 
 
 class SessionStateError(AssertionError):
@@ -98,6 +106,9 @@ class ComponentSessionRefs(ABC):
         # states), kept on every 0 <-> non-zero flip so the protection bound
         # (protection_policy.py) reads it in O(1).
         self.ref_units = 0
+        # Sessions of entries left on deleted nodes, oldest first (a session
+        # once per such entry; see the lazy hand-over).
+        self._lazy_sessions: deque = deque()
 
     def units(self, node: UnifiedTreeNode) -> int:
         """What a referenced ``node`` counts toward ``ref_units``."""
@@ -118,7 +129,7 @@ class ComponentSessionRefs(ABC):
     # deleted nodes resolve to nothing.  Eviction thus costs O(window) (SWA)
     # or O(1) whatever the number of sessions on the leaf; a deleted node
     # stays in memory, its KV freed, until its sessions are next touched or
-    # closed.
+    # closed, or until more than ``LAZY_ENTRY_LIMIT`` such entries wait.
 
     def _lazy_target(self, sid: str, node: UnifiedTreeNode):
         """Where ``sid``'s entry on the deleted ``node`` resolves to (None:
@@ -173,6 +184,16 @@ class ComponentSessionRefs(ABC):
     def resolve_all(self) -> None:
         for sid in list(self.leaves):
             self._resolve(sid)
+        self._lazy_sessions.clear()
+
+    def _leave_lazily(self, node: UnifiedTreeNode, sids: set) -> None:
+        """``sids``' entries stay on the deleted ``node`` for now."""
+        node.session_deleted = True
+        waiting = self._lazy_sessions
+        waiting.extend(sids)
+        if len(waiting) > LAZY_ENTRY_LIMIT:
+            while len(waiting) > LAZY_ENTRY_LIMIT // 2:
+                self._resolve(waiting.popleft())
 
     def _hand_over_to_parent(self, node: UnifiedTreeNode, sids: set) -> None:
         """Reverse entries of the deleted ``node`` to its parent (one union);
@@ -183,7 +204,7 @@ class ComponentSessionRefs(ABC):
             pcd.session_leaf_of = sids  # the deleted node's set, reused
         else:
             pcd.session_leaf_of |= sids
-        node.session_deleted = True
+        self._leave_lazily(node, sids)
 
     def _lazy_parent(self, node: UnifiedTreeNode, node_deleted: bool):
         """The parent a deleted leaf hands over to lazily, or None when the
@@ -890,7 +911,7 @@ class MambaSessionRefs(ComponentSessionRefs):
             return super().discard_deleted_session_leaf(node, node_deleted)
         cd.session_leaf_of = None
         if node_deleted and not node.children:
-            node.session_deleted = True
+            self._leave_lazily(node, sids)
             self._clear_node(node)
             return
         leaves = self.leaves

@@ -173,3 +173,27 @@ def test_close_after_a_deletion_releases_everything(h):
     assert all(
         cd.session_ref == 0 for n in h.tree_nodes() for cd in n.component_data
     )
+
+
+def test_entries_left_on_deleted_nodes_are_bounded(h, monkeypatch):
+    # Past the limit, the sessions with the oldest entries on deleted nodes
+    # are resolved, so deleted nodes cannot pile up in memory behind idle
+    # sessions that never come back.
+    import sglang_session_cache.component_refs as component_refs
+
+    monkeypatch.setattr(component_refs, "LAZY_ENTRY_LIMIT", 4)
+    sids = [f"s{i}" for i in range(10)]
+    for i, sid in enumerate(sids):
+        serve(h, SYSTEM + [i + 1] * 8, sid)
+    leaves = [leaf(h, sid) for sid in sids]
+    parent = leaves[0].parent
+    assert all(n.parent is parent for n in leaves)
+    for node in leaves:
+        delete(h, node)
+    for refs in tracker(h).components.values():
+        on_deleted = sum(
+            n.session_deleted for idx in refs.leaves.values() for n in idx
+        )
+        assert on_deleted <= 4, refs.ct
+    for sid in sids:
+        assert_leaves(h, sid, expected_leaves(h, parent))
