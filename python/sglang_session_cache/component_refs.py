@@ -130,6 +130,10 @@ class ComponentSessionRefs(ABC):
     # or O(1) whatever the number of sessions on the leaf; a deleted node
     # stays in memory, its KV freed, until its sessions are next touched or
     # closed, or until more than ``LAZY_ENTRY_LIMIT`` such entries wait.
+    # Resolution is confluent and never flips a node between referenced and
+    # unreferenced (nor changes a FULL count: SWA's merge takes back one of
+    # two identical covers), so TP/PP ranks resolving at different times
+    # (a metrics scrape resolves everything) still evict identically.
 
     def _lazy_target(self, sid: str, node: UnifiedTreeNode):
         """Where ``sid``'s entry on the deleted ``node`` resolves to (None:

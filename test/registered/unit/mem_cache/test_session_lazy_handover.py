@@ -197,3 +197,68 @@ def test_entries_left_on_deleted_nodes_are_bounded(h, monkeypatch):
         assert on_deleted <= 4, refs.ct
     for sid in sids:
         assert_leaves(h, sid, expected_leaves(h, parent))
+
+
+def _state(h):
+    """What eviction reads and what sessions hold, by token content (node ids
+    differ between two caches)."""
+    t = tracker(h)
+
+    def path(node):
+        out = []
+        while node is not h.cache.root_node:
+            out.append(tuple(node.key.token_ids))
+            node = node.parent
+        return tuple(reversed(out))
+
+    nodes = {path(n): n for n in h.tree_nodes() if n is not h.cache.root_node}
+    counts = {
+        p: tuple(
+            cd.session_ref if ct == FULL else cd.session_ref > 0
+            for ct, cd in enumerate(n.component_data)
+        )
+        for p, n in nodes.items()
+    }
+    leaves = {
+        (sid, ct): sorted(path(n) for n in t.session_leaves(sid, ct))
+        for sid in t.open_sessions() for ct in t.components
+    }
+    return counts, leaves
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_resolving_earlier_changes_nothing_eviction_reads(shape):
+    # TP/PP ranks keep identical trees; a metrics scrape resolves the index
+    # on one rank only, at its own time.  Resolution must be confluent and
+    # never flip a node between referenced and unreferenced.
+    ranks = [SHAPES[shape](), SHAPES[shape]()]
+    for h in ranks:
+        ra = arrive(h, SYSTEM + [1] * 8, "s")
+        rb = arrive(h, SYSTEM + [2] * 8, "s")
+        for req in (ra, rb):
+            h.prefill(req, finishing=True)
+        for req in (rb, ra):
+            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+            h.finish(req)
+        for i in range(3):
+            serve(h, SYSTEM[:20] + [i + 5] * 16, f"o{i}")
+    waited = False
+    for step in range(4):
+        for i, h in enumerate(ranks):
+            h.evict(num_tokens=8, swa_num_tokens=8, mamba_num=1)
+            if i == 0:
+                h.cache.session_metrics()  # resolves every index (scrape)
+        waited |= any(  # rank 1 still holds entries on deleted nodes
+            n.session_deleted
+            for refs in tracker(ranks[1]).components.values()
+            for idx in refs.leaves.values() for n in idx
+        )
+        assert _state(ranks[0]) == _state(ranks[1]), step
+    assert waited
+    for h in ranks:
+        serve(h, SYSTEM + [1] * 8 + [9] * 8, "s")
+        h.evict(num_tokens=16, swa_num_tokens=16, mamba_num=1)
+    assert _state(ranks[0]) == _state(ranks[1])
+    for h in ranks:
+        h.cache.validate_session_state()
+        h.check()
