@@ -4,6 +4,8 @@ its session methods read."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from cache_fixtures import make_full_cache, make_swa_cache, make_swa_mamba_cache
 
 SHAPES = {
@@ -11,6 +13,17 @@ SHAPES = {
     "swa": lambda **kw: make_swa_cache(enable_session=True, **kw),
     "swa_mamba": lambda **kw: make_swa_mamba_cache(enable_session=True, **kw),
 }
+
+
+@pytest.fixture(name="h", params=list(SHAPES))
+def checked_harness(request):
+    """``h``: a session-enabled harness of each shape, whose session state
+    and slot accounting are validated after the test (import it into a test
+    module to use it)."""
+    harness = SHAPES[request.param]()
+    yield harness
+    harness.cache.validate_session_state()
+    harness.check()
 
 
 def prompt(base, n=40):

@@ -15,21 +15,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, arrive  # noqa: E402
+from session_test_utils import SHAPES, arrive, checked_harness  # noqa: E402,F401
 
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH  # noqa: E402
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
 SYSTEM = list(range(1000, 1040))
-
-
-@pytest.fixture(params=list(SHAPES))
-def h(request):
-    harness = SHAPES[request.param]()
-    yield harness
-    harness.cache.validate_session_state()
-    harness.check()
 
 
 def tracker(h):
@@ -39,9 +31,24 @@ def tracker(h):
 def finish(h, req):
     # Finishes at prefill, so the session leaf is the prompt's own node.
     h.prefill(req, finishing=True)
+    done(h, req)
+    return req
+
+
+def done(h, req):
     req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
     h.finish(req)
-    return req
+
+
+def two_branches(h, sid):
+    """Two concurrent requests of ``sid`` (each arrives before the other
+    registers): the session keeps both leaves, siblings under SYSTEM."""
+    ra = arrive(h, SYSTEM + [1] * 8, sid)
+    rb = arrive(h, SYSTEM + [2] * 8, sid)
+    for req in (ra, rb):
+        h.prefill(req, finishing=True)
+    for req in (rb, ra):
+        done(h, req)
 
 
 def serve(h, tokens, sid):
@@ -131,13 +138,7 @@ def test_two_branches_of_one_session_meet_on_their_parent(h):
     # Concurrent requests of one session keep both leaves; deleting both
     # lands both entries on the parent, counted once (SWA counts leaf
     # references: the second one must be taken back).
-    ra = arrive(h, SYSTEM + [1] * 8, "s")
-    rb = arrive(h, SYSTEM + [2] * 8, "s")
-    for req in (ra, rb):
-        h.prefill(req, finishing=True)
-    for req in (rb, ra):
-        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-        h.finish(req)
+    two_branches(h, "s")
     a, b = sorted(tracker(h).session_leaves("s"), key=lambda n: n.id)
     parent = a.parent
     assert b.parent is parent
@@ -233,13 +234,7 @@ def test_resolving_earlier_changes_nothing_eviction_reads(shape):
     # never flip a node between referenced and unreferenced.
     ranks = [SHAPES[shape](), SHAPES[shape]()]
     for h in ranks:
-        ra = arrive(h, SYSTEM + [1] * 8, "s")
-        rb = arrive(h, SYSTEM + [2] * 8, "s")
-        for req in (ra, rb):
-            h.prefill(req, finishing=True)
-        for req in (rb, ra):
-            req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-            h.finish(req)
+        two_branches(h, "s")
         for i in range(3):
             serve(h, SYSTEM[:20] + [i + 5] * 16, f"o{i}")
     waited = False

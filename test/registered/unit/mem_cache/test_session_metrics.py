@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, prompt  # noqa: E402
+from session_test_utils import SHAPES, checked_harness, prompt  # noqa: E402,F401
 from cache_fixtures import make_full_cache, make_swa_cache  # noqa: E402
 
 from sglang.srt.managers.scheduler_components.pool_stats_observer import (  # noqa: E402
@@ -29,14 +29,6 @@ from sglang_session_cache.session_metrics import (  # noqa: E402
 )
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
-
-@pytest.fixture(params=list(SHAPES))
-def h(request):
-    harness = SHAPES[request.param]()
-    yield harness
-    harness.cache.validate_session_state()
-    harness.check()
-
 
 def brute_force_referenced(h) -> dict:
     """Referenced device data per component from a walk over every node."""

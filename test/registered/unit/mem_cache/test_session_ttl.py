@@ -14,7 +14,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, arrive, make_scheduler, prompt  # noqa: E402
+from session_test_utils import (  # noqa: E402,F401 (checked_harness: fixture h)
+    SHAPES,
+    arrive,
+    checked_harness,
+    make_scheduler,
+    prompt,
+)
 from cache_fixtures import make_full_cache  # noqa: E402
 
 from sglang.srt.managers.io_struct import (  # noqa: E402
@@ -58,14 +64,6 @@ def with_ttl(h, ttl=TTL):
     tracker = h.cache.session_ref_tracker
     tracker.set_ttl(ttl)
     return tracker, clock
-
-
-@pytest.fixture(params=list(SHAPES))
-def h(request):
-    harness = SHAPES[request.param]()
-    yield harness
-    harness.cache.validate_session_state()
-    harness.check()
 
 
 def run(h, req, n_decode=0):
