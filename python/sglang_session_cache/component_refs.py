@@ -196,19 +196,29 @@ class ComponentSessionRefs(ABC):
         waiting = self._lazy_sessions
         waiting.extend(sids)
         if len(waiting) > LAZY_ENTRY_LIMIT:
-            while len(waiting) > LAZY_ENTRY_LIMIT // 2:
-                self._resolve(waiting.popleft())
+            self._resolve_oldest()
+
+    def _resolve_oldest(self) -> None:
+        waiting = self._lazy_sessions
+        while len(waiting) > LAZY_ENTRY_LIMIT // 2:
+            self._resolve(waiting.popleft())
 
     def _hand_over_to_parent(self, node: UnifiedTreeNode, sids: set) -> None:
         """Reverse entries of the deleted ``node`` to its parent (one union);
-        the index follows lazily."""
-        pcd = node.parent.component_data[self.ct]
-        node.component_data[self.ct].session_leaf_of = None
+        the index follows lazily (``_leave_lazily``, inlined: this runs on
+        every eviction of a referenced leaf)."""
+        ct = self.ct
+        pcd = node.parent.component_data[ct]
+        node.component_data[ct].session_leaf_of = None
         if pcd.session_leaf_of is None:
             pcd.session_leaf_of = sids  # the deleted node's set, reused
         else:
             pcd.session_leaf_of |= sids
-        self._leave_lazily(node, sids)
+        node.session_deleted = True
+        waiting = self._lazy_sessions
+        waiting.extend(sids)
+        if len(waiting) > LAZY_ENTRY_LIMIT:
+            self._resolve_oldest()
 
     def _lazy_parent(self, node: UnifiedTreeNode, node_deleted: bool):
         """The parent a deleted leaf hands over to lazily, or None when the
@@ -916,7 +926,9 @@ class MambaSessionRefs(ComponentSessionRefs):
         cd.session_leaf_of = None
         if node_deleted and not node.children:
             self._leave_lazily(node, sids)
-            self._clear_node(node)
+            if cd.session_ref:  # _clear_node, inlined: one state per node
+                self.ref_units -= 1
+                cd.session_ref = 0
             return
         leaves = self.leaves
         for sid in sids:
@@ -928,6 +940,18 @@ class MambaSessionRefs(ComponentSessionRefs):
 
     def _lazy_target(self, sid, node):
         return None  # dropped: no ancestor held a state when it was deleted
+
+    def _nearest_reusable_ancestor(self, node):
+        # ``reusable`` inlined: runs on every eviction of a referenced leaf.
+        ct = self.ct
+        root = self.cache.root_node
+        cur = node.parent
+        while cur is not None and cur is not root:
+            cd = cur.component_data[ct]
+            if cd.value is not None or cd.host_value is not None:
+                return cur
+            cur = cur.parent
+        return None
 
     def account_split(self, new_parent, child):
         return  # the child keeps its state; the new upper node has none
