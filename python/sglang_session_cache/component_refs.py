@@ -196,17 +196,12 @@ class ComponentSessionRefs(ABC):
         waiting = self._lazy_sessions
         waiting.extend(sids)
         if len(waiting) > LAZY_ENTRY_LIMIT:
-            self._resolve_oldest()
-
-    def _resolve_oldest(self) -> None:
-        waiting = self._lazy_sessions
-        while len(waiting) > LAZY_ENTRY_LIMIT // 2:
-            self._resolve(waiting.popleft())
+            while len(waiting) > LAZY_ENTRY_LIMIT // 2:
+                self._resolve(waiting.popleft())
 
     def _hand_over_to_parent(self, node: UnifiedTreeNode, sids: set) -> None:
         """Reverse entries of the deleted ``node`` to its parent (one union);
-        the index follows lazily (``_leave_lazily``, inlined: this runs on
-        every eviction of a referenced leaf)."""
+        the index follows lazily."""
         ct = self.ct
         pcd = node.parent.component_data[ct]
         node.component_data[ct].session_leaf_of = None
@@ -214,11 +209,7 @@ class ComponentSessionRefs(ABC):
             pcd.session_leaf_of = sids  # the deleted node's set, reused
         else:
             pcd.session_leaf_of |= sids
-        node.session_deleted = True
-        waiting = self._lazy_sessions
-        waiting.extend(sids)
-        if len(waiting) > LAZY_ENTRY_LIMIT:
-            self._resolve_oldest()
+        self._leave_lazily(node, sids)
 
     def _lazy_parent(self, node: UnifiedTreeNode, node_deleted: bool):
         """The parent a deleted leaf hands over to lazily, or None when the
@@ -714,10 +705,8 @@ class FullSessionRefs(ComponentSessionRefs):
 
     def _move_cover(self, sid, node, target, node_deleted):
         # ``target`` (when given) is an ancestor already in the index, so the
-        # shared-path search sees it; moving to the parent changes nothing
-        # above a deleted node (the common case, O(1)).
-        if node_deleted and node.parent is not None and node.parent in self.leaves.get(sid, ()):
-            return
+        # shared-path search sees it and stops there.  (A deleted leaf handed
+        # to its parent never gets here: that is the lazy hand-over.)
         path = self.covered(node)
         start = 1 if node_deleted else 0
         for n in path[start: self._lowest_shared(self.leaves.get(sid), path)]:

@@ -398,7 +398,7 @@ def apply_unified_cache(module) -> None:
         # FULL's session count mirrored on the node for the eviction heap.
         module.UnifiedTreeNode.full_session_ref = 0
         # Set on a deleted session leaf whose index entries resolve lazily
-        # (component_refs.FullSessionRefs).
+        # (component_refs: the lazy hand-over).
         module.UnifiedTreeNode.session_deleted = False
     wrap_method(cls, "__init__", _wrap_init)
     wrap_method(cls, "_reset_full", _wrap_reset_full)

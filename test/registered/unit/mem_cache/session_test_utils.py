@@ -8,6 +8,8 @@ import pytest
 
 from cache_fixtures import make_full_cache, make_swa_cache, make_swa_mamba_cache
 
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
 SHAPES = {
     "full": lambda **kw: make_full_cache(enable_session=True, **kw),
     "swa": lambda **kw: make_swa_cache(enable_session=True, **kw),
@@ -24,6 +26,23 @@ def checked_harness(request):
     yield harness
     harness.cache.validate_session_state()
     harness.check()
+
+
+def finish(h, req, n_decode=2):
+    """Run an arrived request to its end (``n_decode=0``: it finishes at
+    prefill, so its session leaf is the prompt's own node)."""
+    h.prefill(req, finishing=n_decode == 0)
+    if n_decode:
+        h.decode(req, n_decode)
+    done(h, req)
+    return req
+
+
+def done(h, req):
+    # The scheduler sets the reason before release_kv_cache; the session
+    # controller reads it (Req.finished()) when the next turn continues.
+    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+    h.finish(req)
 
 
 def prompt(base, n=40):

@@ -15,9 +15,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, arrive, checked_harness  # noqa: E402,F401
+from session_test_utils import (  # noqa: E402,F401 (checked_harness: fixture h)
+    SHAPES,
+    arrive,
+    checked_harness,
+    done,
+    finish,
+)
 
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH  # noqa: E402
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 
 FULL, SWA, MAMBA = ComponentType.FULL, ComponentType.SWA, ComponentType.MAMBA
@@ -26,18 +31,6 @@ SYSTEM = list(range(1000, 1040))
 
 def tracker(h):
     return h.cache.session_ref_tracker
-
-
-def finish(h, req):
-    # Finishes at prefill, so the session leaf is the prompt's own node.
-    h.prefill(req, finishing=True)
-    done(h, req)
-    return req
-
-
-def done(h, req):
-    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-    h.finish(req)
 
 
 def two_branches(h, sid):
@@ -52,7 +45,8 @@ def two_branches(h, sid):
 
 
 def serve(h, tokens, sid):
-    return finish(h, arrive(h, tokens, sid))
+    # Finishes at prefill: the session leaf is the prompt's own node.
+    return finish(h, arrive(h, tokens, sid), n_decode=0)
 
 
 def leaf(h, sid):

@@ -12,10 +12,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from cache_fixtures import make_full_cache, publish_server_args  # noqa: E402
-from session_test_utils import SHAPES, arrive, make_scheduler  # noqa: E402
+from session_test_utils import SHAPES, arrive, done, finish, make_scheduler  # noqa: E402
 
 import sglang.srt.managers.schedule_batch as schedule_batch  # noqa: E402
-from sglang.srt.managers.schedule_batch import FINISH_LENGTH  # noqa: E402
 from sglang.srt.managers.io_struct import (  # noqa: E402
     CloseSessionReqInput,
     OpenSessionReqInput,
@@ -55,21 +54,6 @@ def referenced_ids(h, sid, ct=FULL):
     counts against the same leaf index)."""
     coverage = tracker(h).components[ct].coverage()
     return {n.id for n, per_session in coverage.items() if sid in per_session}
-
-
-def finish(h, req, n_decode=2):
-    h.prefill(req, finishing=n_decode == 0)
-    if n_decode:
-        h.decode(req, n_decode)
-    done(h, req)
-    return req
-
-
-def done(h, req):
-    # The scheduler sets the reason before release_kv_cache; the session
-    # controller reads it (Req.finished()) when the next turn continues.
-    req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
-    h.finish(req)
 
 
 # ---- issue 11 item 1: classic sessions ----------------------------------------
