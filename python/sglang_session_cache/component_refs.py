@@ -34,16 +34,15 @@ Coverage rules are structural (they look at keys and parents, not at whether
 device memory is present), so evicting a component's data in place never
 changes a count.  Counts change only on register/release, on node splits and
 when a referenced leaf loses its data (its reference moves to the nearest
-reusable ancestor).  When eviction deletes a session leaf, the counts move at
-once but the leaf index follows lazily (see "lazy hand-over" below), so the
-eviction path does not depend on how many sessions share the leaf.
-``validate`` resolves the index, then recomputes everything from it.
+reusable ancestor).  When eviction deletes a session leaf, the counts of all
+its references move at once (see "hand-over of deleted leaves" below); only
+the index entries move one by one.  ``validate`` recomputes everything from
+the index.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
@@ -55,11 +54,17 @@ def _ignore(node, ct) -> None:
     return None
 
 
-#: Index entries a component may leave on deleted nodes (each keeps its node,
-#: token ids included, in memory).  Past it, the sessions with the oldest
-#: such entries are resolved until half are left: amortized O(1) per
-#: deletion, and never more work than handing every entry over at once.
-LAZY_ENTRY_LIMIT = 1024
+def handover_parent(node: UnifiedTreeNode, root: UnifiedTreeNode):
+    """The parent a deleted leaf hands its references over to, or None when
+    the general route applies (children left, the root, or a parent without
+    KV).  Structural, so the same for every component."""
+    parent = node.parent
+    if node.children or parent is None or parent is root:
+        return None
+    pcd = parent.component_data[0]  # the parent holds KV
+    if pcd.value is None and pcd.host_value is None:
+        return None
+    return parent
 
 
 class SessionStateError(AssertionError):
@@ -106,127 +111,62 @@ class ComponentSessionRefs(ABC):
         # states), kept on every 0 <-> non-zero flip so the protection bound
         # (protection_policy.py) reads it in O(1).
         self.ref_units = 0
-        # Sessions of entries left on deleted nodes, oldest first (a session
-        # once per such entry; see the lazy hand-over).
-        self._lazy_sessions: deque = deque()
 
     def units(self, node: UnifiedTreeNode) -> int:
         """What a referenced ``node`` counts toward ``ref_units``."""
         return len(node.key)
 
-    # ---- lazy hand-over of deleted leaves ----
+    # ---- hand-over of deleted leaves ----
     #
-    # When eviction deletes a session leaf, each component updates its counts
-    # at once, for all of the leaf's references together, but leaves the
-    # per-session index alone: the entries keep pointing at the deleted node
-    # (marked ``session_deleted``) and are resolved when that session is next
-    # read, registered, dropped or released (``_resolve``), or by the
-    # validator.  FULL and SWA hand the leaf to its parent: its reverse
-    # entries move there in one set union, and an entry resolves to the
-    # nearest live ancestor whose reverse set names the session -- where the
-    # unions took it, the node an eager hand-over would have chosen.  Mamba,
-    # when no ancestor holds a state, drops the references: its entries on
-    # deleted nodes resolve to nothing.  Eviction thus costs O(window) (SWA)
-    # or O(1) whatever the number of sessions on the leaf; a deleted node
-    # stays in memory, its KV freed, until its sessions are next touched or
-    # closed, or until more than ``LAZY_ENTRY_LIMIT`` such entries wait.
-    # Resolution is confluent and never flips a node between referenced and
-    # unreferenced (nor changes a FULL count: SWA's merge takes back one of
-    # two identical covers), so TP/PP ranks resolving at different times
-    # (a metrics scrape resolves everything) still evict identically.
-
-    def _lazy_target(self, sid: str, node: UnifiedTreeNode):
-        """Where ``sid``'s entry on the deleted ``node`` resolves to (None:
-        dropped)."""
-        ct = self.ct
-        root = self.cache.root_node
-        cur = node.parent
-        while cur is not None and cur is not root:
-            if not cur.session_deleted:
-                rev = cur.component_data[ct].session_leaf_of
-                if rev is not None and sid in rev:
-                    return cur
-            cur = cur.parent
-        return None
-
-    def _merged(self, target: UnifiedTreeNode) -> None:
-        """A resolved entry landed on ``target``, which the session already
-        held: the deletion counted the reference once more than the index
-        now has (leaf references: one cover too many)."""
-        self._remove_cover(target)
-
-    def _resolve(self, sid: str, keep=None):
-        """``sid``'s leaf index with its entries on deleted nodes resolved
-        (an ancestor reached twice keeps its newest registration); ``keep``:
-        a node being deleted right now, whose entries the caller moves."""
-        idx = self.leaves.get(sid)
-        if not idx:
-            return idx
-        dead = [n for n in idx if n.session_deleted and n is not keep]
-        if not dead:
-            return idx
-        for node in dead:
-            turn = idx.pop(node)
-            target = self._lazy_target(sid, node)
-            if target is None:
-                continue
-            old = idx.get(target)
-            if old is None:
-                idx[target] = turn
-            else:
-                if turn > old:
-                    idx[target] = turn
-                self._merged(target)
-        if not idx:
-            del self.leaves[sid]
-        return idx
+    # When eviction deletes a session leaf whose parent still holds KV (the
+    # common case), each component moves the counts of all the leaf's
+    # references at once -- FULL: only the leaf's own count (the parent's
+    # path is the same path); SWA: one walk over the parent's window; Mamba,
+    # with no ancestor state: the leaf cleared -- and then moves each
+    # session's index entry in one tight loop, with no per-session walk.
+    # The deleted node is freed with the eviction, and the index never
+    # points at a node outside the tree.  (Leaving the entries on the deleted
+    # node until the session was next touched measured worse once idle
+    # sessions piled up: resolving them later walked the tree again and freed
+    # their nodes cold.)
 
     def leaves_of(self, sid: str) -> dict:
-        """``sid``'s leaf index (``{leaf: (stamp, arrived)}``), resolved."""
-        return self._resolve(sid) or {}
+        """``sid``'s leaf index (``{leaf: (stamp, arrived)}``)."""
+        return self.leaves.get(sid) or {}
 
-    def resolve_all(self) -> None:
-        for sid in list(self.leaves):
-            self._resolve(sid)
-        self._lazy_sessions.clear()
-
-    def _leave_lazily(self, node: UnifiedTreeNode, sids: set) -> None:
-        """``sids``' entries stay on the deleted ``node`` for now."""
-        node.session_deleted = True
-        waiting = self._lazy_sessions
-        waiting.extend(sids)
-        if len(waiting) > LAZY_ENTRY_LIMIT:
-            while len(waiting) > LAZY_ENTRY_LIMIT // 2:
-                self._resolve(waiting.popleft())
-
-    def _hand_over_to_parent(self, node: UnifiedTreeNode, sids: set) -> None:
-        """Reverse entries of the deleted ``node`` to its parent (one union);
-        the index follows lazily."""
+    def _hand_over_to_parent(self, node: UnifiedTreeNode, parent: UnifiedTreeNode,
+                             sids: set) -> int:
+        """Reverse entries of the deleted ``node`` to its parent (one union),
+        then each session's index entry; returns how many sessions already
+        held the parent (their two references are now one: the caller,
+        having moved the counts, takes the extra cover back)."""
         ct = self.ct
-        pcd = node.parent.component_data[ct]
+        pcd = parent.component_data[ct]
         node.component_data[ct].session_leaf_of = None
         if pcd.session_leaf_of is None:
             pcd.session_leaf_of = sids  # the deleted node's set, reused
         else:
             pcd.session_leaf_of |= sids
-        self._leave_lazily(node, sids)
+        merged = 0
+        leaves = self.leaves
+        for sid in sids:
+            idx = leaves[sid]
+            turn = idx.pop(node)
+            old = idx.get(parent)
+            if old is None:
+                idx[parent] = turn
+            else:  # a leaf reached twice keeps its newest registration
+                merged += 1
+                if turn > old:
+                    idx[parent] = turn
+        return merged
 
-    def _lazy_parent(self, node: UnifiedTreeNode, node_deleted: bool):
-        """The parent a deleted leaf hands over to lazily, or None when the
-        general route applies (not a deletion, children left, the root, or
-        a parent without KV)."""
-        parent = node.parent
-        if (
-            not node_deleted
-            or node.children
-            or parent is None
-            or parent is self.cache.root_node
-        ):
-            return None
-        pcd = parent.component_data[0]  # structural: the parent holds KV
-        if pcd.value is None and pcd.host_value is None:
-            return None
-        return parent
+    def hand_over_deleted(self, node: UnifiedTreeNode, parent: UnifiedTreeNode,
+                          sids: set, length: int) -> None:
+        """Eviction deleted the session leaf ``node`` (``length`` tokens),
+        whose ``parent`` holds KV: its references (``sids``) go to the parent
+        together.  Components override; this is the general route."""
+        ComponentSessionRefs.discard_deleted_session_leaf(self, node)
 
     # ---- the rule each component defines ----
 
@@ -346,7 +286,7 @@ class ComponentSessionRefs(ABC):
     def _register(self, sid: str, leaf: UnifiedTreeNode) -> bool:
         """Index ``leaf`` for ``sid`` and subsume its ancestor leaves; False
         when it was indexed already (nothing changed)."""
-        idx = self._resolve(sid)
+        idx = self.leaves.get(sid)
         if idx is not None and leaf in idx:
             return False
         subsumed = self._indexed_ancestors(idx, leaf) if idx else ()
@@ -361,7 +301,6 @@ class ComponentSessionRefs(ABC):
 
     def release_session(self, sid: str) -> int:
         """Drop every reference ``sid`` holds on this component."""
-        self._resolve(sid)
         leaves = self.leaves.pop(sid, None)
         if not leaves:
             return 0
@@ -373,7 +312,7 @@ class ComponentSessionRefs(ABC):
     def drop_session_leaf(self, sid: str, leaf: UnifiedTreeNode) -> bool:
         """Drop one leaf reference of ``sid`` (the session's other leaves keep
         theirs).  Returns whether ``leaf`` was referenced by ``sid``."""
-        idx = self._resolve(sid)
+        idx = self.leaves.get(sid)
         if not idx or leaf not in idx:
             return False
         self._unindex_leaf(sid, leaf)
@@ -396,10 +335,6 @@ class ComponentSessionRefs(ABC):
         sids = cd.session_leaf_of
         if not sids:
             return
-        # Entries still on deleted nodes below are moved one by one here:
-        # bring them up to this node first.
-        for sid in list(sids):
-            self._resolve(sid, keep=node)
         # Wholesale drop relies on nothing below covering the node.
         node_deleted = node_deleted and not node.children
         parent = node.parent
@@ -468,7 +403,6 @@ class ComponentSessionRefs(ABC):
     def coverage(self) -> dict:
         """``{node: {sid: number of sid's leaves covering node}}``, recomputed
         from the leaf index (for the validator and tests; O(leaves x cover))."""
-        self.resolve_all()
         out: dict = {}
         for sid, leaves in self.leaves.items():
             for leaf in leaves:
@@ -486,7 +420,6 @@ class ComponentSessionRefs(ABC):
         return None
 
     def validate(self, nodes: list) -> None:
-        self.resolve_all()
         name = str(self.ct)
         root = self.cache.root_node
         in_tree = {n.id for n in nodes}
@@ -556,7 +489,6 @@ class ComponentSessionRefs(ABC):
 
     def referenced_nodes(self) -> set:
         """Nodes some session leaf covers for this component."""
-        self.resolve_all()
         seen: set = set()
         for leaves in self.leaves.values():
             for leaf in leaves:
@@ -588,9 +520,6 @@ class FullSessionRefs(ComponentSessionRefs):
 
     mirror_on_node = True
     notify_ref_change = False
-
-    def _merged(self, target):
-        return  # distinct sessions: a second entry on a node counts nothing
 
     def covered(self, leaf):
         root = self.cache.root_node
@@ -632,7 +561,7 @@ class FullSessionRefs(ComponentSessionRefs):
         return best
 
     def _register(self, sid, leaf):
-        idx = self._resolve(sid)
+        idx = self.leaves.get(sid)
         if idx is not None and leaf in idx:
             return False
         root = self.cache.root_node
@@ -662,7 +591,6 @@ class FullSessionRefs(ComponentSessionRefs):
         return True
 
     def release_session(self, sid):
-        self._resolve(sid)
         leaves = self.leaves.pop(sid, None)
         if not leaves:
             return 0
@@ -679,7 +607,7 @@ class FullSessionRefs(ComponentSessionRefs):
         return len(leaves)
 
     def drop_session_leaf(self, sid, leaf):
-        idx = self._resolve(sid)
+        idx = self.leaves.get(sid)
         if not idx or leaf not in idx:
             return False
         self._unindex_leaf(sid, leaf)
@@ -689,24 +617,27 @@ class FullSessionRefs(ComponentSessionRefs):
         return True
 
     def discard_deleted_session_leaf(self, node, node_deleted=True):
-        # The eviction case, on every referenced leaf FULL deletes: only the
-        # leaf's own count changes; anything else takes the general route.
+        sids = node.component_data[0].session_leaf_of
+        parent = handover_parent(node, self.cache.root_node) if node_deleted else None
+        if sids and parent is not None:
+            return self.hand_over_deleted(node, parent, sids, len(node.key))
+        return super().discard_deleted_session_leaf(node, node_deleted)
+
+    def hand_over_deleted(self, node, parent, sids, length):
+        # Only the leaf's own count changes (the parent's path is the same
+        # path); a session that already held the parent counted it once, so
+        # there is nothing to take back (FULL counts distinct sessions).
+        self._hand_over_to_parent(node, parent, sids)
         cd = node.component_data[0]
-        sids = cd.session_leaf_of
-        if not sids:
-            return
-        if self._lazy_parent(node, node_deleted) is None:
-            return super().discard_deleted_session_leaf(node, node_deleted)
-        self._hand_over_to_parent(node, sids)
         if cd.session_ref:
-            self.ref_units -= len(node.key)
+            self.ref_units -= length
         cd.session_ref = 0
         node.full_session_ref = 0
 
     def _move_cover(self, sid, node, target, node_deleted):
         # ``target`` (when given) is an ancestor already in the index, so the
         # shared-path search sees it and stops there.  (A deleted leaf handed
-        # to its parent never gets here: that is the lazy hand-over.)
+        # to its parent never gets here: that is the bulk hand-over.)
         path = self.covered(node)
         start = 1 if node_deleted else 0
         for n in path[start: self._lowest_shared(self.leaves.get(sid), path)]:
@@ -724,7 +655,6 @@ class FullSessionRefs(ComponentSessionRefs):
 
     def referenced_nodes(self) -> set:
         # Path rule: a node already seen has all its ancestors seen too.
-        self.resolve_all()
         root = self.cache.root_node
         seen: set = set()
         for leaves in self.leaves.values():
@@ -792,25 +722,24 @@ class SWASessionRefs(ComponentSessionRefs):
         super()._clear_node(node)
 
     def discard_deleted_session_leaf(self, node, node_deleted=True):
-        # The eviction case: a deleted leaf hands its references (all at
-        # distance 0: it has no children) to its parent together, in one
-        # walk: nodes the old windows reached only move to a nearer distance
-        # (no count change); nodes newly in reach gain them.  The index
-        # follows lazily.
+        sids = node.component_data[self.ct].session_leaf_of
+        parent = handover_parent(node, self.cache.root_node) if node_deleted else None
+        if sids and parent is not None:
+            return self.hand_over_deleted(node, parent, sids, len(node.key))
+        return super().discard_deleted_session_leaf(node, node_deleted)
+
+    def hand_over_deleted(self, node, parent, sids, length):
+        # The leaf's references (all at distance 0: it has no children) move
+        # together, in one walk: nodes the old windows reached only move to
+        # a nearer distance (no count change); nodes newly in reach gain them.
         ct = self.ct
         cd = node.component_data[ct]
-        sids = cd.session_leaf_of
-        if not sids:
-            return
-        parent = self._lazy_parent(node, node_deleted)
-        if parent is None:
-            return super().discard_deleted_session_leaf(node, node_deleted)
         hist = cd.session_below
         moved = hist.get(0, 0) if hist else 0
-        self._hand_over_to_parent(node, sids)
+        merged = self._hand_over_to_parent(node, parent, sids)
         root = self.cache.root_node
         window = self.window
-        shift = len(node.key)
+        shift = length
         acc = 0
         cur = parent
         while moved:
@@ -837,6 +766,9 @@ class SWASessionRefs(ComponentSessionRefs):
             self.ref_units -= shift
         cd.session_ref = 0
         cd.session_below = None
+        if merged:  # sessions that held the parent too: one cover each back
+            for n, below in self._window(parent):
+                self._at(n, below, -merged)
 
     def on_split(self, new_parent, child):
         hist = child.component_data[self.ct].session_below
@@ -901,34 +833,37 @@ class MambaSessionRefs(ComponentSessionRefs):
         return 1  # one state per referenced node
 
     def discard_deleted_session_leaf(self, node, node_deleted=True):
-        # The eviction case: no ancestor holds a state (SGLang keeps them
-        # where inserts ended), so every reference on the node just goes --
-        # its count drops to zero in one step.  A deleted node's index
-        # entries follow lazily (they resolve to nothing); a node that only
-        # lost its state stays in the tree, so its entries go now.
-        cd = node.component_data[self.ct]
-        sids = cd.session_leaf_of
+        sids = node.component_data[self.ct].session_leaf_of
         if not sids:
             return
         if self._nearest_reusable_ancestor(node) is not None:
             return super().discard_deleted_session_leaf(node, node_deleted)
+        self._drop_all(node, sids, node_deleted and not node.children)
+
+    def hand_over_deleted(self, node, parent, sids, length):
+        # The parent holds KV, but a Mamba reference needs a state.
+        if self._nearest_reusable_ancestor(node) is not None:
+            return super().discard_deleted_session_leaf(node)
+        self._drop_all(node, sids, True)
+
+    def _drop_all(self, node, sids, deleted: bool) -> None:
+        # The eviction case: no ancestor holds a state (SGLang keeps them
+        # where inserts ended), so every reference on the node just goes --
+        # its count drops to zero in one step.
+        cd = node.component_data[self.ct]
         cd.session_leaf_of = None
-        if node_deleted and not node.children:
-            self._leave_lazily(node, sids)
-            if cd.session_ref:  # _clear_node, inlined: one state per node
-                self.ref_units -= 1
-                cd.session_ref = 0
-            return
         leaves = self.leaves
         for sid in sids:
             idx = leaves[sid]
             del idx[node]
             if not idx:
                 del leaves[sid]
+        if deleted:
+            if cd.session_ref:  # _clear_node, inlined: off every list already
+                self.ref_units -= 1
+                cd.session_ref = 0
+            return
         self._bump(node, -len(sids))
-
-    def _lazy_target(self, sid, node):
-        return None  # dropped: no ancestor held a state when it was deleted
 
     def _nearest_reusable_ancestor(self, node):
         # ``reusable`` inlined: runs on every eviction of a referenced leaf.

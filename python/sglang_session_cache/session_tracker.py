@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from sglang_session_cache.component_refs import (
     ComponentSessionRefs,
     SessionStateError,
+    handover_parent,
     make_component_refs,
 )
 from sglang_session_cache.session_idle import IdleSchedule
@@ -564,8 +565,17 @@ class UnifiedSessionRefTracker:
 
     def on_node_deleted(self, node) -> None:
         cds = node.component_data
+        parent = None  # looked up once, for every component with references
         for ct, refs in self._refs_by_ct:
-            if cds[ct].session_leaf_of:  # only session leaves move
+            sids = cds[ct].session_leaf_of
+            if not sids:  # only session leaves move
+                continue
+            if parent is None:
+                parent = handover_parent(node, self.cache.root_node) or False
+                length = len(node.key) if parent else 0
+            if parent:
+                refs.hand_over_deleted(node, parent, sids, length)
+            else:
                 refs.discard_deleted_session_leaf(node)
 
     def on_device_evict(self, node, ct) -> None:

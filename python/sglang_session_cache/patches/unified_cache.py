@@ -397,9 +397,6 @@ def apply_unified_cache(module) -> None:
     if not hasattr(module.UnifiedTreeNode, "full_session_ref"):
         # FULL's session count mirrored on the node for the eviction heap.
         module.UnifiedTreeNode.full_session_ref = 0
-        # Set on a deleted session leaf whose index entries resolve lazily
-        # (component_refs: the lazy hand-over).
-        module.UnifiedTreeNode.session_deleted = False
     wrap_method(cls, "__init__", _wrap_init)
     wrap_method(cls, "_reset_full", _wrap_reset_full)
     wrap_method(cls, "cache_finished_req", _wrap_cache_finished_req)

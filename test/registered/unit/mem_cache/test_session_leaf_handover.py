@@ -1,15 +1,17 @@
-"""Deleted session leaves hand over lazily, on the real UnifiedRadixCache.
+"""Deleted session leaves hand over to their parent, on the real
+UnifiedRadixCache.
 
-Eviction updates the counts of a deleted session leaf at once (for all its
-references together) and leaves each session's index entry on the deleted
-node; the entry is resolved when the session is next read, registered or
-released.  What a session protects must be exactly what the eager hand-over
-gave: FULL and SWA move to the nearest ancestor still holding KV, Mamba drops
-the reference when no ancestor holds a state.  The fixture validates every
-count against the (resolved) leaf index after each test."""
+Eviction moves the counts of a deleted session leaf at once (for all its
+references together), then each session's index entry.  What a session
+protects must be what moving each reference on its own gives: FULL and SWA
+move to the nearest ancestor still holding KV, Mamba drops the reference
+when no ancestor holds a state.  The fixture validates every count against
+the leaf index after each test."""
 
+import gc
 import os
 import sys
+import weakref
 
 import pytest
 
@@ -77,26 +79,24 @@ def assert_leaves(h, sid, want):
         assert tracker(h).session_leaves(sid, ct) == nodes, ct
 
 
-def test_deleted_leaf_resolves_to_its_parent(h):
+def test_deleted_leaf_hands_over_to_its_parent(h):
     serve(h, SYSTEM + [1] * 8, "a")
     serve(h, SYSTEM + [2] * 8, "b")
     a = leaf(h, "a")
     parent = a.parent
     assert leaf(h, "b").parent is parent
     before = parent.component_data[FULL].session_ref
+    gone = weakref.ref(a)
     delete(h, a)
-    full = tracker(h).components[FULL]
-    # The eviction left the index entry on the deleted node (O(1) per
-    # deletion, whatever the number of sessions on it) ...
-    assert a in full.leaves["a"] and a.session_deleted
-    assert a.component_data[FULL].session_ref == 0
-    # ... and reading the session resolves it to what eager gave.
     assert_leaves(h, "a", expected_leaves(h, parent))
-    assert a not in full.leaves["a"]
     assert parent.component_data[FULL].session_ref == before == 2  # a and b
+    # Nothing of ours keeps the deleted node: it is freed with the eviction.
+    del a
+    gc.collect()
+    assert gone() is None
 
 
-def test_chain_of_deletions_resolves_to_the_live_ancestor(h):
+def test_chain_of_deletions_ends_on_the_live_ancestor(h):
     serve(h, SYSTEM + [1] * 8, "a")
     serve(h, SYSTEM + [2] * 8, "b")
     serve(h, SYSTEM[:20] + [3] * 20, "c")  # splits SYSTEM: root - S1 - S2 - {a, b}
@@ -106,7 +106,7 @@ def test_chain_of_deletions_resolves_to_the_live_ancestor(h):
     assert b.parent is s2 and s1.parent is h.cache.root_node
     delete(h, a)
     delete(h, b)
-    delete(h, s2)  # now a leaf itself, holding a and b only lazily
+    delete(h, s2)  # now a leaf itself, holding a and b
     for sid in ("a", "b"):
         assert_leaves(h, sid, expected_leaves(h, s1))
     assert s1.component_data[FULL].session_ref == 3
@@ -150,7 +150,7 @@ def test_next_turn_after_a_deletion_keeps_only_the_new_leaf(h):
     delete(h, a)
     nxt = serve(h, SYSTEM + [1] * 8 + [4] * 8, "a")
     new = leaf(h, "a")
-    assert new is not a and not new.session_deleted
+    assert new is not a
     for refs in tracker(h).components.values():
         assert list(refs.leaves.get("a", {})) in ([new], []), refs.ct
     assert len(nxt.origin_input_ids) == 56
@@ -170,28 +170,22 @@ def test_close_after_a_deletion_releases_everything(h):
     )
 
 
-def test_entries_left_on_deleted_nodes_are_bounded(h, monkeypatch):
-    # Past the limit, the sessions with the oldest entries on deleted nodes
-    # are resolved, so deleted nodes cannot pile up in memory behind idle
-    # sessions that never come back.
-    import sglang_session_cache.component_refs as component_refs
-
-    monkeypatch.setattr(component_refs, "LAZY_ENTRY_LIMIT", 4)
+def test_a_leaf_shared_by_many_sessions_hands_all_of_them_over(h):
+    # Same prompt, ten sessions: one leaf, ten references, moved together.
     sids = [f"s{i}" for i in range(10)]
-    for i, sid in enumerate(sids):
-        serve(h, SYSTEM + [i + 1] * 8, sid)
-    leaves = [leaf(h, sid) for sid in sids]
-    parent = leaves[0].parent
-    assert all(n.parent is parent for n in leaves)
-    for node in leaves:
-        delete(h, node)
-    for refs in tracker(h).components.values():
-        on_deleted = sum(
-            n.session_deleted for idx in refs.leaves.values() for n in idx
-        )
-        assert on_deleted <= 4, refs.ct
+    for sid in sids:
+        serve(h, SYSTEM + [1] * 8, sid)
+    two_branches(h, "t")  # "t" holds the shared leaf and a sibling
+    shared = leaf(h, "s0")
+    parent = shared.parent
+    assert shared in tracker(h).session_leaves("t")
+    delete(h, shared)
     for sid in sids:
         assert_leaves(h, sid, expected_leaves(h, parent))
+    assert parent.component_data[FULL].session_ref == 11
+    if SWA in tracker(h).components:
+        # the eleven moved references, now at distance 0
+        assert parent.component_data[SWA].session_below[0] == 11
 
 
 def _state(h):
@@ -222,28 +216,20 @@ def _state(h):
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_resolving_earlier_changes_nothing_eviction_reads(shape):
-    # TP/PP ranks keep identical trees; a metrics scrape resolves the index
-    # on one rank only, at its own time.  Resolution must be confluent and
-    # never flip a node between referenced and unreferenced.
+def test_a_metrics_scrape_on_one_rank_changes_nothing_eviction_reads(shape):
+    # TP/PP ranks keep identical trees; a metrics scrape runs on one rank
+    # only, at its own time, and must not change what eviction reads.
     ranks = [SHAPES[shape](), SHAPES[shape]()]
     for h in ranks:
         two_branches(h, "s")
         for i in range(3):
             serve(h, SYSTEM[:20] + [i + 5] * 16, f"o{i}")
-    waited = False
     for step in range(4):
         for i, h in enumerate(ranks):
             h.evict(num_tokens=8, swa_num_tokens=8, mamba_num=1)
             if i == 0:
-                h.cache.session_metrics()  # resolves every index (scrape)
-        waited |= any(  # rank 1 still holds entries on deleted nodes
-            n.session_deleted
-            for refs in tracker(ranks[1]).components.values()
-            for idx in refs.leaves.values() for n in idx
-        )
+                h.cache.session_metrics()
         assert _state(ranks[0]) == _state(ranks[1]), step
-    assert waited
     for h in ranks:
         serve(h, SYSTEM + [1] * 8 + [9] * 8, "s")
         h.evict(num_tokens=16, swa_num_tokens=16, mamba_num=1)
