@@ -165,8 +165,8 @@ class ComponentSessionRefs(ABC):
                           sids: set, length: int) -> None:
         """Eviction deleted the session leaf ``node`` (``length`` tokens),
         whose ``parent`` holds KV: its references (``sids``) go to the parent
-        together.  Components override; this is the general route."""
-        ComponentSessionRefs.discard_deleted_session_leaf(self, node)
+        together.  Components override; by default the general route."""
+        self._move_to_ancestor(node, True)
 
     # ---- the rule each component defines ----
 
@@ -324,7 +324,17 @@ class ComponentSessionRefs(ABC):
     ) -> None:
         """``node`` is losing this component: it is being deleted from the
         tree, or (``node_deleted=False``, relocating components only) its
-        state was evicted in place.  Each session holding it as a leaf moves
+        state was evicted in place.  A deleted leaf whose parent holds KV
+        hands over in bulk (``hand_over_deleted``); anything else takes the
+        general route."""
+        sids = node.component_data[self.ct].session_leaf_of
+        parent = handover_parent(node, self.cache.root_node) if node_deleted else None
+        if sids and parent is not None:
+            return self.hand_over_deleted(node, parent, sids, len(node.key))
+        return self._move_to_ancestor(node, node_deleted)
+
+    def _move_to_ancestor(self, node: UnifiedTreeNode, node_deleted: bool) -> None:
+        """The general route: each session holding ``node`` as a leaf moves
         its reference to the nearest reusable ancestor; a session whose walk
         reaches the root simply loses that leaf.
 
@@ -616,13 +626,6 @@ class FullSessionRefs(ComponentSessionRefs):
             self._bump(n, -1)
         return True
 
-    def discard_deleted_session_leaf(self, node, node_deleted=True):
-        sids = node.component_data[0].session_leaf_of
-        parent = handover_parent(node, self.cache.root_node) if node_deleted else None
-        if sids and parent is not None:
-            return self.hand_over_deleted(node, parent, sids, len(node.key))
-        return super().discard_deleted_session_leaf(node, node_deleted)
-
     def hand_over_deleted(self, node, parent, sids, length):
         # Only the leaf's own count changes (the parent's path is the same
         # path); a session that already held the parent counted it once, so
@@ -720,13 +723,6 @@ class SWASessionRefs(ComponentSessionRefs):
     def _clear_node(self, node):
         node.component_data[self.ct].session_below = None
         super()._clear_node(node)
-
-    def discard_deleted_session_leaf(self, node, node_deleted=True):
-        sids = node.component_data[self.ct].session_leaf_of
-        parent = handover_parent(node, self.cache.root_node) if node_deleted else None
-        if sids and parent is not None:
-            return self.hand_over_deleted(node, parent, sids, len(node.key))
-        return super().discard_deleted_session_leaf(node, node_deleted)
 
     def hand_over_deleted(self, node, parent, sids, length):
         # The leaf's references (all at distance 0: it has no children) move
@@ -837,13 +833,13 @@ class MambaSessionRefs(ComponentSessionRefs):
         if not sids:
             return
         if self._nearest_reusable_ancestor(node) is not None:
-            return super().discard_deleted_session_leaf(node, node_deleted)
+            return self._move_to_ancestor(node, node_deleted)
         self._drop_all(node, sids, node_deleted and not node.children)
 
     def hand_over_deleted(self, node, parent, sids, length):
         # The parent holds KV, but a Mamba reference needs a state.
         if self._nearest_reusable_ancestor(node) is not None:
-            return super().discard_deleted_session_leaf(node)
+            return self._move_to_ancestor(node, True)
         self._drop_all(node, sids, True)
 
     def _drop_all(self, node, sids, deleted: bool) -> None:
