@@ -166,7 +166,7 @@ class ComponentSessionRefs(ABC):
         """Eviction deleted the session leaf ``node`` (``length`` tokens),
         whose ``parent`` holds KV: its references (``sids``) go to the parent
         together.  Components override; by default the general route."""
-        self._move_to_ancestor(node, True)
+        self.discard_deleted_session_leaf(node)
 
     # ---- the rule each component defines ----
 
@@ -324,19 +324,11 @@ class ComponentSessionRefs(ABC):
     ) -> None:
         """``node`` is losing this component: it is being deleted from the
         tree, or (``node_deleted=False``, relocating components only) its
-        state was evicted in place.  A deleted leaf whose parent holds KV
-        hands over in bulk (``hand_over_deleted``); anything else takes the
-        general route."""
-        sids = node.component_data[self.ct].session_leaf_of
-        parent = handover_parent(node, self.cache.root_node) if node_deleted else None
-        if sids and parent is not None:
-            return self.hand_over_deleted(node, parent, sids, len(node.key))
-        return self._move_to_ancestor(node, node_deleted)
-
-    def _move_to_ancestor(self, node: UnifiedTreeNode, node_deleted: bool) -> None:
-        """The general route: each session holding ``node`` as a leaf moves
-        its reference to the nearest reusable ancestor; a session whose walk
-        reaches the root simply loses that leaf.
+        state was evicted in place.  The general route (a deleted leaf whose
+        parent holds KV takes ``hand_over_deleted`` instead, chosen by the
+        tracker): each session holding it as a leaf moves its reference to
+        the nearest reusable ancestor; a session whose walk reaches the root
+        simply loses that leaf.
 
         A deleted node is a childless leaf, so only its own sessions cover it:
         its counts are dropped wholesale instead of one by one."""
@@ -833,13 +825,13 @@ class MambaSessionRefs(ComponentSessionRefs):
         if not sids:
             return
         if self._nearest_reusable_ancestor(node) is not None:
-            return self._move_to_ancestor(node, node_deleted)
+            return super().discard_deleted_session_leaf(node, node_deleted)
         self._drop_all(node, sids, node_deleted and not node.children)
 
     def hand_over_deleted(self, node, parent, sids, length):
         # The parent holds KV, but a Mamba reference needs a state.
         if self._nearest_reusable_ancestor(node) is not None:
-            return self._move_to_ancestor(node, True)
+            return super().discard_deleted_session_leaf(node)
         self._drop_all(node, sids, True)
 
     def _drop_all(self, node, sids, deleted: bool) -> None:
