@@ -54,6 +54,15 @@ def _ignore(node, ct) -> None:
     return None
 
 
+def key_length(key) -> int:
+    """``len(key)`` for a node's ``RadixKey``.  ``RadixKey.__len__`` is two
+    Python-level calls; the eviction hooks ask on every deleted session leaf,
+    and a tree key is almost always a plain one (no limit, not bigram)."""
+    if key.limit is None and not key.is_bigram:
+        return len(key.token_ids)
+    return len(key)
+
+
 def handover_parent(node: UnifiedTreeNode, root: UnifiedTreeNode):
     """The parent a deleted leaf hands its references over to, or None when
     the general route applies (children left, the root, or a parent without
@@ -91,6 +100,10 @@ class ComponentSessionRefs(ABC):
     #: node costs no extra memory hop where ``component_data[0]`` costs two.
     mirror_on_node = False
     notify_ref_change = True
+    #: Set by ``follow``: the refs whose leaf index this one reads instead of
+    #: keeping its own.
+    index_owner: Optional["ComponentSessionRefs"] = None
+
     def __init__(
         self,
         component: TreeComponent,
@@ -107,14 +120,41 @@ class ComponentSessionRefs(ABC):
         # newest registration and of that request's arrival (0: unknown);
         # "registered before a request arrived" is decided on them.
         self.leaves: dict[str, dict] = {}
+        # Component whose ``session_leaf_of`` holds the reverse entries of
+        # ``leaves`` (another component's when following).
+        self.index_ct = self.ct
+        # Components that share this index (``follow``); told of every
+        # reference this one adds, drops or moves, they keep only counts.
+        self.followers: tuple = ()
         # Data under a reference, counted once per node (tokens; Mamba:
         # states), kept on every 0 <-> non-zero flip so the protection bound
         # (protection_policy.py) reads it in O(1).
         self.ref_units = 0
 
+    def follow(self, owner: "ComponentSessionRefs") -> None:
+        """Share ``owner``'s leaf index instead of keeping an identical one
+        (SWA follows FULL: both reference exactly the session leaves, and a
+        deleted leaf's references move to the same ancestor for both, since
+        both take the nearest one still holding FULL KV).  One index means
+        one set of entries to move per deleted leaf, and half the memory.
+        Changes go through ``owner``, which applies them here as counts."""
+        if self.leaves or self.ref_units:
+            raise RuntimeError("follow() needs a component without references")
+        self.index_owner = owner
+        self.leaves = owner.leaves
+        self.index_ct = owner.ct
+        owner.followers += (self,)
+
+    def _check_owner(self) -> None:
+        if self.index_owner is not None:
+            raise RuntimeError(
+                f"component {self.ct} shares the leaf index of component "
+                f"{self.index_owner.ct}; change references through that one"
+            )
+
     def units(self, node: UnifiedTreeNode) -> int:
         """What a referenced ``node`` counts toward ``ref_units``."""
-        return len(node.key)
+        return key_length(node.key)
 
     # ---- hand-over of deleted leaves ----
     #
@@ -269,6 +309,8 @@ class ComponentSessionRefs(ABC):
           registered after the request arrived belong to requests that ran
           concurrently and are kept.
         """
+        if self.index_owner is not None:
+            self._check_owner()
         added = self._register(sid, leaf)
         idx = self.leaves[sid]
         if not added and len(idx) > 1:
@@ -301,6 +343,8 @@ class ComponentSessionRefs(ABC):
 
     def release_session(self, sid: str) -> int:
         """Drop every reference ``sid`` holds on this component."""
+        if self.index_owner is not None:
+            self._check_owner()
         leaves = self.leaves.pop(sid, None)
         if not leaves:
             return 0
@@ -312,6 +356,8 @@ class ComponentSessionRefs(ABC):
     def drop_session_leaf(self, sid: str, leaf: UnifiedTreeNode) -> bool:
         """Drop one leaf reference of ``sid`` (the session's other leaves keep
         theirs).  Returns whether ``leaf`` was referenced by ``sid``."""
+        if self.index_owner is not None:
+            self._check_owner()
         idx = self.leaves.get(sid)
         if not idx or leaf not in idx:
             return False
@@ -346,6 +392,7 @@ class ComponentSessionRefs(ABC):
             target = self._nearest_reusable_ancestor(node)
         cd.session_leaf_of = None
         leaves = self.leaves
+        followers = self.followers
         for sid in sids:
             idx = leaves[sid]
             turn = idx.pop(node)
@@ -363,11 +410,16 @@ class ComponentSessionRefs(ABC):
                         tcd.session_leaf_of.add(sid)
                 elif turn > old:
                     idx[target] = turn
-            self._move_cover(sid, node, target if fresh else None, node_deleted)
+            moved_to = target if fresh else None
+            self._move_cover(sid, node, moved_to, node_deleted)
+            for f in followers:
+                f._move_cover(sid, node, moved_to, node_deleted)
             if not idx:
                 del leaves[sid]
         if node_deleted:
             self._clear_node(node)
+            for f in followers:
+                f._clear_node(node)
 
     def _move_cover(self, sid, node, target, node_deleted) -> None:
         """Counts for ``sid``'s leaf moving from ``node`` to ``target`` (None:
@@ -436,7 +488,7 @@ class ComponentSessionRefs(ABC):
                         f"[{name}] session {sid!r} references node {leaf.id} "
                         "which is no longer in the tree"
                     )
-                sids = leaf.component_data[self.ct].session_leaf_of
+                sids = leaf.component_data[self.index_ct].session_leaf_of
                 if not sids or sid not in sids:
                     raise SessionStateError(
                         f"[{name}] node {leaf.id} is in {sid!r}'s leaf index "
@@ -482,6 +534,11 @@ class ComponentSessionRefs(ABC):
             problem = self._check_node_extra(n, name)
             if problem:
                 raise SessionStateError(problem)
+            if self.index_owner is not None and cd.session_leaf_of is not None:
+                raise SessionStateError(
+                    f"[{name}] node {n.id} has its own reverse entries, but the "
+                    "component shares another's leaf index"
+                )
             for sid in cd.session_leaf_of or ():
                 if n not in self.leaves.get(sid, ()):
                     raise SessionStateError(
@@ -582,14 +639,22 @@ class FullSessionRefs(ComponentSessionRefs):
             new = min(new, self._lowest_shared(idx, path))
         for n in path[:new]:
             self._bump(n, 1)
+        subsumed = []
         if idx:
             # Older leaves on the path are subsumed (the new leaf covers them).
             for old in path[new:] if len(path) > new else ():
                 if old in idx:
-                    self._unindex_leaf(sid, old)
+                    subsumed.append(old)
             if cur is not None and cur is not root and cur in idx:
-                self._unindex_leaf(sid, cur)  # the nearest older leaf (fast path)
+                subsumed.append(cur)  # the nearest older leaf (fast path)
+            for old in subsumed:
+                self._unindex_leaf(sid, old)
         self._index_leaf(sid, leaf)
+        for f in self.followers:
+            # Add before removing, as a component with its own index does.
+            f._add_cover(leaf)
+            for old in subsumed:
+                f._remove_cover(old)
         return True
 
     def release_session(self, sid):
@@ -606,7 +671,11 @@ class FullSessionRefs(ComponentSessionRefs):
                 self._bump(cur, -1)
                 cur = cur.parent
             self._drop_reverse(sid, leaf)
-        return len(leaves)
+        for f in self.followers:
+            for leaf in leaves:
+                f._remove_cover(leaf)
+        # Counted per component, as when each kept its own index.
+        return len(leaves) * (1 + len(self.followers))
 
     def drop_session_leaf(self, sid, leaf):
         idx = self.leaves.get(sid)
@@ -616,18 +685,22 @@ class FullSessionRefs(ComponentSessionRefs):
         path = self.covered(leaf)
         for n in path[: self._lowest_shared(self.leaves.get(sid), path)]:
             self._bump(n, -1)
+        for f in self.followers:
+            f._remove_cover(leaf)
         return True
 
     def hand_over_deleted(self, node, parent, sids, length):
         # Only the leaf's own count changes (the parent's path is the same
         # path); a session that already held the parent counted it once, so
         # there is nothing to take back (FULL counts distinct sessions).
-        self._hand_over_to_parent(node, parent, sids)
+        merged = self._hand_over_to_parent(node, parent, sids)
         cd = node.component_data[0]
         if cd.session_ref:
             self.ref_units -= length
         cd.session_ref = 0
         node.full_session_ref = 0
+        for f in self.followers:
+            f.hand_over_counts(node, parent, merged, length)
 
     def _move_cover(self, sid, node, target, node_deleted):
         # ``target`` (when given) is an ancestor already in the index, so the
@@ -682,7 +755,7 @@ class SWASessionRefs(ComponentSessionRefs):
         window = self.window
         while cur is not None and cur is not root and acc < window:
             out.append((cur, acc))
-            acc += len(cur.key)
+            acc += key_length(cur.key)
             cur = cur.parent
         return out
 
@@ -717,14 +790,19 @@ class SWASessionRefs(ComponentSessionRefs):
         super()._clear_node(node)
 
     def hand_over_deleted(self, node, parent, sids, length):
-        # The leaf's references (all at distance 0: it has no children) move
-        # together, in one walk: nodes the old windows reached only move to
-        # a nearer distance (no count change); nodes newly in reach gain them.
+        merged = self._hand_over_to_parent(node, parent, sids)
+        self.hand_over_counts(node, parent, merged, length)
+
+    def hand_over_counts(self, node, parent, merged, length):
+        """The counts of a deleted leaf's references moving to ``parent``
+        (the index already moved; ``merged`` of them met one there).  The
+        leaf's references (all at distance 0: it has no children) move
+        together, in one walk: nodes the old windows reached only move to a
+        nearer distance (no count change); nodes newly in reach gain them."""
         ct = self.ct
         cd = node.component_data[ct]
         hist = cd.session_below
         moved = hist.get(0, 0) if hist else 0
-        merged = self._hand_over_to_parent(node, parent, sids)
         root = self.cache.root_node
         window = self.window
         shift = length
@@ -745,7 +823,7 @@ class SWASessionRefs(ComponentSessionRefs):
             nxt = cur.parent
             if nxt is None or nxt is root:
                 break
-            acc += len(cur.key)  # only when the walk goes on: a key's length is a call
+            acc += key_length(cur.key)  # only when the walk goes on
             if acc >= window:
                 break
             cur = nxt

@@ -317,7 +317,8 @@ class ProtectionPolicy:
     def _withdraw(self, sid: str, components: dict) -> None:
         self.protected.pop(sid, None)
         for refs in components.values():
-            self.withdrawn_refs += refs.release_session(sid)
+            if refs.index_owner is None:  # followers release with their owner
+                self.withdrawn_refs += refs.release_session(sid)
 
     def enforce(self, components: dict) -> int:
         """Withdraw what is due: under ``auto``, every first-request-only

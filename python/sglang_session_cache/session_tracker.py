@@ -29,6 +29,7 @@ from sglang_session_cache.component_refs import (
     ComponentSessionRefs,
     SessionStateError,
     handover_parent,
+    key_length,
     make_component_refs,
 )
 from sglang_session_cache.session_idle import IdleSchedule
@@ -155,6 +156,12 @@ class UnifiedSessionRefTracker:
     counters: SessionCounters = dataclasses.field(default_factory=SessionCounters)
     components: dict = dataclasses.field(default_factory=dict)
     relocating_components: tuple = ()
+    # SWA reads FULL's leaf index instead of keeping its own (both reference
+    # exactly the session leaves).  False keeps one index per component: the
+    # layout in which a test can give one component a reference alone.
+    share_leaf_index: bool = True
+    # Components keeping a leaf index (set by reset()).
+    index_owners: tuple = ()
     # (component type, refs) pairs, for the per-node hooks (set by reset()).
     _refs_by_ct: tuple = ()
     on_ref_change: Optional[Callable] = None
@@ -203,8 +210,15 @@ class UnifiedSessionRefTracker:
             refs = make_component_refs(comp, notify)
             if refs is not None:
                 self.components[ct] = refs
+        full, swa = self.components.get(0), self.components.get(1)
+        if self.share_leaf_index and full is not None and swa is not None:
+            swa.follow(full)  # one leaf index for both (component_refs.follow)
+        # Components keeping a leaf index: references change through these.
+        self.index_owners = tuple(
+            refs for refs in self.components.values() if refs.index_owner is None
+        )
         # (component type, refs) pairs for the per-node hooks.
-        self._refs_by_ct = tuple(self.components.items())
+        self._refs_by_ct = tuple((refs.ct, refs) for refs in self.index_owners)
         # Components whose references follow their data up the tree when it is
         # evicted in place; checked on every component eviction, by identity.
         self.relocating_components = tuple(
@@ -426,7 +440,7 @@ class UnifiedSessionRefTracker:
         # before this request arrived are superseded (register_session_leaf).
         stamp = next(self._next_event)
         arrived = getattr(req, REQ_ARRIVAL_ATTR, None)
-        for refs in self.components.values():
+        for refs in self.index_owners:
             refs.register_session_leaf(sid, leaf, stamp, arrived)
         self.counters.registered += 1
         self.idle.touch(sid)
@@ -469,7 +483,7 @@ class UnifiedSessionRefTracker:
         self.epochs.pop(sid, None)
         self.policy.forget(sid)
         released = 0
-        for refs in self.components.values():
+        for refs in self.index_owners:
             released += refs.release_session(sid)
         if self.policy.withdraw_pending:
             self.policy.enforce(self.components)
@@ -572,7 +586,7 @@ class UnifiedSessionRefTracker:
                 continue
             if parent is None:
                 parent = handover_parent(node, self.cache.root_node) or False
-                length = len(node.key) if parent else 0
+                length = key_length(node.key) if parent else 0
             if parent:
                 refs.hand_over_deleted(node, parent, sids, length)
             else:

@@ -99,7 +99,7 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
             if node is None:
                 continue  # already evicted by an earlier cell
             tracker.open_radix_session(sid)
-            for refs in tracker.components.values():
+            for refs in tracker.index_owners:
                 refs.register_session_leaf(sid, node)
             tracker.policy.on_registered(sid)
         if sid in tracker.generations:

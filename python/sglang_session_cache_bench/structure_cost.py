@@ -61,7 +61,7 @@ def _reference(h, sid: str, ids) -> None:
         return
     node = locate_node(h.cache, RadixKey(array("q", ids)))
     tracker.open_radix_session(sid)
-    for refs in tracker.components.values():
+    for refs in tracker.index_owners:
         refs.register_session_leaf(sid, node)
 
 

@@ -38,6 +38,16 @@ def in_tree(h, node):
     return any(n is node for n in h.tree_nodes())
 
 
+def separate_leaf_indexes(h):
+    """One leaf index per component (the tracker shares FULL's with SWA by
+    default), so a test can reference a node in one component alone.  Called
+    on an empty tree."""
+    tracker = h.cache.session_ref_tracker
+    tracker.share_leaf_index = False
+    tracker.reset()
+    return h
+
+
 def serve(h, tokens, sid=None, n_decode=0):
     return h.run_request(tokens, session_id=sid, n_decode=n_decode)
 
@@ -198,7 +208,7 @@ def test_validator_catches_a_node_in_the_wrong_partition():
 
 
 def test_swa_leaf_eviction_spares_referenced_full_until_needed():
-    h = swa_cache()
+    h = separate_leaf_indexes(swa_cache())
     victim = serve(h, [1] * 8 + [10] * 16)
     serve(h, [2] * 8 + [20] * 16)
     tracker = h.cache.session_ref_tracker
@@ -229,7 +239,7 @@ def test_swa_leaf_eviction_spares_referenced_full_until_needed():
 
 
 def test_cascade_rule_table():
-    h = make_swa_mamba_cache(enable_session=True, num_tokens=512)
+    h = separate_leaf_indexes(make_swa_mamba_cache(enable_session=True, num_tokens=512))
     serve(h, [1] * 16, sid="s")
     serve(h, [1] * 8 + [3] * 8)  # makes [1]*8 an internal node
     tracker = h.cache.session_ref_tracker
