@@ -213,7 +213,7 @@ def _wrap_evict_component(orig):
     def _evict_component_and_detach_lru(self, node, comp, target=EvictLayer.DEVICE, tracker=None):
         refs = self.session_ref_tracker
         if refs is None:
-            return orig(self, node, comp, target=target, tracker=tracker)
+            return orig(self, node, comp, target, tracker)
         cd = node.component_data[comp.component_type]
         # Soft-protection breach: referenced data may be about to go.  Read
         # before the relocation below moves a Mamba reference off the node;
@@ -226,7 +226,7 @@ def _wrap_evict_component(orig):
             if layer == device or layer == host:
                 refs.on_component_evict(node, comp.component_type, layer == device)
         if breach:
-            freed = orig(self, node, comp, target=target, tracker=tracker)
+            freed = orig(self, node, comp, target, tracker)
             if freed[0]:  # device data went (inlined: this is the eviction path)
                 ct = comp.component_type
                 refs.referenced_evictions[ct] += 1
@@ -238,7 +238,7 @@ def _wrap_evict_component(orig):
             # for the learned protection scale (protection_scale.py; only
             # with --session-radix-cache-max-protected-fraction auto).
             guarded(refs.on_unreferenced_evict, node)
-        return orig(self, node, comp, target=target, tracker=tracker)
+        return orig(self, node, comp, target, tracker)
 
     return _evict_component_and_detach_lru
 
