@@ -120,9 +120,6 @@ class ComponentSessionRefs(ABC):
         # newest registration and of that request's arrival (0: unknown);
         # "registered before a request arrived" is decided on them.
         self.leaves: dict[str, dict] = {}
-        # Component whose ``session_leaf_of`` holds the reverse entries of
-        # ``leaves`` (another component's when following).
-        self.index_ct = self.ct
         # Components that share this index (``follow``); told of every
         # reference this one adds, drops or moves, they keep only counts.
         self.followers: tuple = ()
@@ -142,15 +139,13 @@ class ComponentSessionRefs(ABC):
             raise RuntimeError("follow() needs a component without references")
         self.index_owner = owner
         self.leaves = owner.leaves
-        self.index_ct = owner.ct
         owner.followers += (self,)
 
-    def _check_owner(self) -> None:
-        if self.index_owner is not None:
-            raise RuntimeError(
-                f"component {self.ct} shares the leaf index of component "
-                f"{self.index_owner.ct}; change references through that one"
-            )
+    def _reject_follower_change(self) -> None:
+        raise RuntimeError(
+            f"component {self.ct} shares the leaf index of component "
+            f"{self.index_owner.ct}; change references through that one"
+        )
 
     def units(self, node: UnifiedTreeNode) -> int:
         """What a referenced ``node`` counts toward ``ref_units``."""
@@ -310,7 +305,7 @@ class ComponentSessionRefs(ABC):
           concurrently and are kept.
         """
         if self.index_owner is not None:
-            self._check_owner()
+            self._reject_follower_change()
         added = self._register(sid, leaf)
         idx = self.leaves[sid]
         if not added and len(idx) > 1:
@@ -344,7 +339,7 @@ class ComponentSessionRefs(ABC):
     def release_session(self, sid: str) -> int:
         """Drop every reference ``sid`` holds on this component."""
         if self.index_owner is not None:
-            self._check_owner()
+            self._reject_follower_change()
         leaves = self.leaves.pop(sid, None)
         if not leaves:
             return 0
@@ -357,7 +352,7 @@ class ComponentSessionRefs(ABC):
         """Drop one leaf reference of ``sid`` (the session's other leaves keep
         theirs).  Returns whether ``leaf`` was referenced by ``sid``."""
         if self.index_owner is not None:
-            self._check_owner()
+            self._reject_follower_change()
         idx = self.leaves.get(sid)
         if not idx or leaf not in idx:
             return False
@@ -477,6 +472,8 @@ class ComponentSessionRefs(ABC):
         name = str(self.ct)
         root = self.cache.root_node
         in_tree = {n.id for n in nodes}
+        # The reverse entries live with the index (its owner's when following).
+        index_ct = (self.index_owner or self).ct
         for sid, leaves in self.leaves.items():
             if not leaves:
                 raise SessionStateError(f"[{name}] empty leaf set kept for {sid!r}")
@@ -488,7 +485,7 @@ class ComponentSessionRefs(ABC):
                         f"[{name}] session {sid!r} references node {leaf.id} "
                         "which is no longer in the tree"
                     )
-                sids = leaf.component_data[self.index_ct].session_leaf_of
+                sids = leaf.component_data[index_ct].session_leaf_of
                 if not sids or sid not in sids:
                     raise SessionStateError(
                         f"[{name}] node {leaf.id} is in {sid!r}'s leaf index "
@@ -956,6 +953,12 @@ class MambaSessionRefs(ComponentSessionRefs):
 
 
 REFS_BY_COMPONENT = {0: FullSessionRefs, 1: SWASessionRefs, 2: MambaSessionRefs}
+
+
+def index_owners(components: dict) -> tuple:
+    """The refs keeping a leaf index (followers change with their owner):
+    the ones references are registered, dropped and released through."""
+    return tuple(refs for refs in components.values() if refs.index_owner is None)
 
 
 def make_component_refs(component, on_ref_change) -> Optional[ComponentSessionRefs]:

@@ -51,6 +51,7 @@ import math
 from collections import OrderedDict
 from typing import Any, Optional
 
+from sglang_session_cache.component_refs import index_owners
 from sglang_session_cache.protection_scale import ProtectionScale
 from sglang_session_cache.session_return_rate import SessionReturnRate
 
@@ -316,9 +317,8 @@ class ProtectionPolicy:
 
     def _withdraw(self, sid: str, components: dict) -> None:
         self.protected.pop(sid, None)
-        for refs in components.values():
-            if refs.index_owner is None:  # followers release with their owner
-                self.withdrawn_refs += refs.release_session(sid)
+        for refs in index_owners(components):
+            self.withdrawn_refs += refs.release_session(sid)
 
     def enforce(self, components: dict) -> int:
         """Withdraw what is due: under ``auto``, every first-request-only

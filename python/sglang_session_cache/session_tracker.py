@@ -29,6 +29,7 @@ from sglang_session_cache.component_refs import (
     ComponentSessionRefs,
     SessionStateError,
     handover_parent,
+    index_owners,
     key_length,
     make_component_refs,
 )
@@ -213,10 +214,7 @@ class UnifiedSessionRefTracker:
         full, swa = self.components.get(0), self.components.get(1)
         if self.share_leaf_index and full is not None and swa is not None:
             swa.follow(full)  # one leaf index for both (component_refs.follow)
-        # Components keeping a leaf index: references change through these.
-        self.index_owners = tuple(
-            refs for refs in self.components.values() if refs.index_owner is None
-        )
+        self.index_owners = index_owners(self.components)
         # (component type, refs) pairs for the per-node hooks.
         self._refs_by_ct = tuple((refs.ct, refs) for refs in self.index_owners)
         # Components whose references follow their data up the tree when it is

@@ -17,6 +17,16 @@ SHAPES = {
 }
 
 
+def separate_leaf_indexes(h):
+    """One leaf index per component (the tracker shares FULL's with SWA by
+    default), so a test can reference a node in one component alone.  Called
+    on an empty tree."""
+    tracker = h.cache.session_ref_tracker
+    tracker.share_leaf_index = False
+    tracker.reset()
+    return h
+
+
 @pytest.fixture(name="h", params=list(SHAPES))
 def checked_harness(request):
     """``h``: a session-enabled harness of each shape, whose session state

@@ -17,6 +17,7 @@ from cache_fixtures import (  # noqa: E402
     make_swa_cache,
     make_swa_mamba_cache,
 )
+from session_test_utils import separate_leaf_indexes  # noqa: E402
 
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 from sglang_session_cache.component_refs import SessionStateError  # noqa: E402
@@ -36,16 +37,6 @@ def leaf_of(h, sid, ct=FULL):
 
 def in_tree(h, node):
     return any(n is node for n in h.tree_nodes())
-
-
-def separate_leaf_indexes(h):
-    """One leaf index per component (the tracker shares FULL's with SWA by
-    default), so a test can reference a node in one component alone.  Called
-    on an empty tree."""
-    tracker = h.cache.session_ref_tracker
-    tracker.share_leaf_index = False
-    tracker.reset()
-    return h
 
 
 def serve(h, tokens, sid=None, n_decode=0):

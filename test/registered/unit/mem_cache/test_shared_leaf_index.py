@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from cache_fixtures import make_swa_cache, make_swa_mamba_cache  # noqa: E402
+from session_test_utils import separate_leaf_indexes  # noqa: E402
 
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 
@@ -29,13 +30,6 @@ SHAPES = {
         page_size=1, sliding_window_size=8,
     ),
 }
-
-
-def _separate(h):
-    tracker = h.cache.session_ref_tracker
-    tracker.share_leaf_index = False
-    tracker.reset()
-    return h
 
 
 def _path(node) -> tuple:
@@ -67,7 +61,7 @@ def _state(h) -> dict:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_shared_index_matches_an_index_per_component(shape):
     shared = SHAPES[shape]()
-    separate = _separate(SHAPES[shape]())
+    separate = separate_leaf_indexes(SHAPES[shape]())
     assert shared.cache.session_ref_tracker.components[SWA].index_owner is not None
     assert separate.cache.session_ref_tracker.components[SWA].index_owner is None
     rng = random.Random(11)
