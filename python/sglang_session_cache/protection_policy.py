@@ -247,11 +247,12 @@ class ProtectionPolicy:
     # ---- the learned scale ----
 
     def on_ghost_miss(self, parent_id: int, tokens, returning: bool,
-                      components: dict) -> None:
-        """A request's match stopped where unreferenced KV was evicted."""
+                      components: dict, start: int = 0, end: Optional[int] = None) -> None:
+        """A request's match of ``tokens[start:end]`` stopped where
+        unreferenced KV was evicted."""
         scale = self.scale
         old = scale.scale
-        shrank = scale.missed(parent_id, tokens, returning)
+        shrank = scale.missed(parent_id, tokens, returning, start, end)
         if scale.scale != old:
             self._apply_limits()
             if shrank:

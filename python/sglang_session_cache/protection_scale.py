@@ -44,10 +44,14 @@ GHOST_CHECK_TOKENS = 256
 GHOST_BUDGET = 1.0
 
 
-def ghost_key(parent_id: int, tokens, page: int = 1) -> tuple:
+def ghost_key(parent_id: int, tokens, page: int = 1, start: int = 0) -> tuple:
     """A child's place: its parent and its first page (how the radix tree
-    itself keys children, so two children of one parent never collide)."""
-    return (parent_id, tuple(tokens[:page]))
+    itself keys children, so two children of one parent never collide);
+    ``tokens`` read from ``start``.  Page 1 keys the token itself, without a
+    slice and a tuple: this runs on every eviction and match that learns."""
+    if page == 1:
+        return (parent_id, tokens[start])
+    return (parent_id, tuple(tokens[start:start + page]))
 
 
 def _common_prefix(a, b) -> int:
@@ -104,7 +108,10 @@ class ProtectionScale:
         key = ghost_key(parent_id, tokens, self.page)
         ghosts = self.ghosts
         old = ghosts.pop(key, None)
-        ghosts[key] = (size, node_id, tokens[:GHOST_CHECK_TOKENS], state, whole_only)
+        # The evicted node's own key: tree keys are never changed in place
+        # (a split gives both parts new ones), so a short one is kept as is.
+        head = tokens if len(tokens) <= GHOST_CHECK_TOKENS else tokens[:GHOST_CHECK_TOKENS]
+        ghosts[key] = (size, node_id, head, state, whole_only)
         self.ghost_tokens += size - old[0] if old else size
         if self.ghost_tokens > self.budget:  # runs on every such eviction
             self._trim()
@@ -115,26 +122,36 @@ class ProtectionScale:
             _, (size, *_) = ghosts.popitem(last=False)
             self.ghost_tokens -= size
 
-    def missed(self, parent_id: int, tokens, returning: bool) -> bool:
-        """A match stopped below ``parent_id`` before ``tokens``.  Returns
-        whether the scale shrank (limits must be re-applied)."""
+    def missed(self, parent_id: int, tokens, returning: bool, start: int = 0,
+               end: Optional[int] = None) -> bool:
+        """A match stopped below ``parent_id`` before ``tokens[start:end]``
+        (offsets instead of a slice: a prompt's unmatched rest can be long).
+        Returns whether the scale shrank (limits must be re-applied)."""
         ghosts = self.ghosts
         if not ghosts:
+            return False
+        end = len(tokens) if end is None else min(end, len(tokens))
+        if start >= end:
             return False
         # Follow the evicted chain (leaves go first, then their parents), so
         # the miss counts all the KV the request lost, not just its top node.
         # Only what the request could have reused counts: up to the deepest
         # evicted node that could end a match (Mamba: one with a state).
         lost = counted = 0
+        want = end - start
+        page = self.page
         while True:
-            key = ghost_key(parent_id, tokens[lost:lost + self.page], self.page)
+            at = start + lost
+            if at + page > end and page > 1:
+                break  # a partial page: the tree keys none
+            key = ghost_key(parent_id, tokens, page, at)
             ghost = ghosts.get(key)
             if ghost is None:
                 break
             size, parent_id, head, state, whole_only = ghost
             del ghosts[key]
             self.ghost_tokens -= size
-            same = _common_prefix(head, tokens[lost:lost + len(head)])
+            same = _common_prefix(head, tokens[at:min(at + len(head), end)])
             if same < len(head):  # the request leaves the evicted node early
                 if not whole_only:
                     counted = lost + same
@@ -142,7 +159,7 @@ class ProtectionScale:
             lost += size
             if state:
                 counted = lost
-            if lost >= len(tokens):
+            if lost >= want:
                 break
         lost = counted
         if not lost:

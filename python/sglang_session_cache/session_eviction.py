@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 
+from sglang.srt.mem_cache.evict_policy import LRUStrategy
 from sglang.srt.mem_cache.unified_cache_components import (
     ComponentType,
     EvictLayer,
@@ -34,9 +35,16 @@ def _full_heap_drive(component, leaves: set, evict_leaf, request: int, tracker: 
     so the heap stores the order-identical flat ``(session_ref, priority, node)``
     — one extra int compared per step — reading the count mirrored on the node
     (``full_session_ref``) so building the heap touches no extra objects."""
-    get_priority = component.cache.eviction_strategy.get_priority
+    strategy = component.cache.eviction_strategy
+    get_priority = strategy.get_priority
     ct = component.component_type
-    heap = [(n.full_session_ref, get_priority(n), n) for n in leaves]
+    if type(strategy) is LRUStrategy:
+        # The default policy's priority is the attribute itself: read it
+        # directly instead of one method call per leaf on a rebuild that is
+        # O(leaves) every eviction (same values, so the same order).
+        heap = [(n.full_session_ref, n.last_access_time, n) for n in leaves]
+    else:
+        heap = [(n.full_session_ref, get_priority(n), n) for n in leaves]
     heapq.heapify(heap)
     while tracker[ct] < request and heap:
         x = heapq.heappop(heap)[2]

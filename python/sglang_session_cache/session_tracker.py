@@ -362,15 +362,17 @@ class UnifiedSessionRefTracker:
             return
         # Once per request: the scheduler may match a queued request again.
         setattr(req, REQ_SCALE_SEEN_ATTR, True)
+        node = result.last_device_node
+        if node is None or not policy.scale.ghosts:
+            return  # the common case, decided before anything is computed
         tokens = key.token_ids
-        matched = len(result.device_indices)
+        matched = result.device_indices.shape[0]
+        end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
+        if matched >= end:
+            return
         sid = plain_session_id(session_id_of(req))
         returning = sid is not None and policy.turns.get(sid, 0) >= 2
-        end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
-        node = result.last_device_node
-        if matched >= end or node is None or not policy.scale.ghosts:
-            return
-        policy.on_ghost_miss(node.id, tokens[matched:end], returning, self.components)
+        policy.on_ghost_miss(node.id, tokens, returning, self.components, matched, end)
 
     def on_unreferenced_evict(self, node) -> None:
         """An unreferenced FULL node's device KV is being evicted."""
@@ -379,7 +381,7 @@ class UnifiedSessionRefTracker:
             mamba = self.components.get(2)
             state = mamba is None or node.component_data[2].value is not None
             self.policy.scale.evicted(node.parent.id, node.id, node.key.token_ids,
-                                      len(node.key), state, mamba is not None)
+                                      key_length(node.key), state, mamba is not None)
 
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""

@@ -111,6 +111,38 @@ def test_ghosts_are_bounded_by_the_pool_and_clamped():
     assert s.validate() is None
 
 
+def test_missed_reads_the_unmatched_rest_in_place():
+    """``missed(tokens, start=, end=)`` (what a match passes: no copy of the
+    prompt's rest) learns exactly what ``missed`` of that slice learns, for
+    page 1 and page 2, chains, early exits and a rest cut mid-page."""
+    import copy
+    import random
+
+    rng = random.Random(7)
+    for page in (1, 2):
+        for _ in range(300):
+            s = ProtectionScale(page=page)
+            s.configure(1000)
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 24))]
+            start = rng.randrange(len(tokens))
+            end = rng.randrange(start, len(tokens) + 2)
+            pid, at = 1, start
+            while at < len(tokens) and rng.random() < 0.8:  # an evicted chain
+                size = page * rng.randrange(1, 4)
+                head = tokens[at:at + size]
+                if rng.random() < 0.2:
+                    head = head[:-1] + [9]  # the request leaves this node early
+                s.evicted(pid, pid + 1, head, size, state=rng.random() < 0.7,
+                          whole_only=rng.random() < 0.3)
+                pid, at = pid + 1, at + size
+            sliced = copy.deepcopy(s)
+            returning = rng.random() < 0.5
+            assert s.missed(1, tokens, returning, start, end) == sliced.missed(
+                1, tokens[start:end], returning)
+            assert (s.scale, s.ghost_tokens, list(s.ghosts)) == (
+                sliced.scale, sliced.ghost_tokens, list(sliced.ghosts))
+
+
 def test_fixed_fraction_learns_nothing():
     s = ProtectionScale()
     s.configure(None)

@@ -87,6 +87,41 @@ def test_soft_protection_evicts_referenced_when_needed(shape_factory=make_full_c
     assert all(not refs.leaves for refs in h.cache.session_ref_tracker.components.values())
 
 
+def _full_session_trace(generic: bool) -> list:
+    """Sessions and evictions on a FULL cache; after each eviction, the token
+    paths left.  ``generic``: the LRU policy through a subclass, so the heap
+    drive takes its ``get_priority`` route instead of reading the attribute."""
+    import random
+
+    from sglang.srt.mem_cache.evict_policy import LRUStrategy
+
+    class GenericLRU(LRUStrategy):
+        pass
+
+    h = make_full_cache(enable_session=True, num_tokens=384)
+    if generic:
+        h.cache.eviction_strategy = GenericLRU()
+    else:
+        assert type(h.cache.eviction_strategy) is LRUStrategy  # the fast path runs
+    rng = random.Random(11)
+    trace = []
+    for step in range(80):
+        base = rng.choice([[1] * 6, [2] * 6, [3] * 3])
+        sid = rng.choice([None, "a", "b", "c"])
+        serve(h, base + [rng.randrange(30) for _ in range(rng.randint(2, 12))], sid=sid,
+              n_decode=rng.randint(0, 3))
+        if step % 4 == 3:
+            h.evict(num_tokens=rng.randint(4, 40))
+            trace.append(sorted(
+                tuple(n.key.token_ids) for n in h.tree_nodes() if n is not h.cache.root_node))
+    h.cache.validate_session_state()
+    return trace
+
+
+def test_full_lru_fast_path_keeps_the_generic_order():
+    assert _full_session_trace(generic=False) == _full_session_trace(generic=True)
+
+
 # ---- SWA ----------------------------------------------------------------------------
 
 
