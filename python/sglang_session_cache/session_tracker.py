@@ -163,8 +163,6 @@ class UnifiedSessionRefTracker:
     share_leaf_index: bool = True
     # Components keeping a leaf index (set by reset()).
     index_owners: tuple = ()
-    # (component type, refs) pairs, for the per-node hooks (set by reset()).
-    _refs_by_ct: tuple = ()
     on_ref_change: Optional[Callable] = None
     _next_generation: Any = dataclasses.field(default_factory=lambda: itertools.count(1))
     # Arrivals and registrations, in scheduler order (see REQ_ARRIVAL_ATTR).
@@ -215,8 +213,6 @@ class UnifiedSessionRefTracker:
         if self.share_leaf_index and full is not None and swa is not None:
             swa.follow(full)  # one leaf index for both (component_refs.follow)
         self.index_owners = index_owners(self.components)
-        # (component type, refs) pairs for the per-node hooks.
-        self._refs_by_ct = tuple((refs.ct, refs) for refs in self.index_owners)
         # Components whose references follow their data up the tree when it is
         # evicted in place; checked on every component eviction, by identity.
         self.relocating_components = tuple(
@@ -580,8 +576,8 @@ class UnifiedSessionRefTracker:
     def on_node_deleted(self, node) -> None:
         cds = node.component_data
         parent = None  # looked up once, for every component with references
-        for ct, refs in self._refs_by_ct:
-            sids = cds[ct].session_leaf_of
+        for refs in self.index_owners:
+            sids = cds[refs.ct].session_leaf_of
             if not sids:  # only session leaves move
                 continue
             if parent is None:
