@@ -455,9 +455,10 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
 def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
                  check_every: int = 0, ttl: Optional[float] = None,
                  timer=time.perf_counter):
-    """``replay`` one event at a time: a generator that yields after every
-    trace event and returns the ``RunStats`` (``StopIteration.value``), so
-    two caches can replay the same trace in lockstep (``request_cost``).
+    """``replay`` one event at a time: a generator that yields before every
+    trace event and once after the last (before the end-of-run checks), and
+    returns the ``RunStats`` (``StopIteration.value``), so two caches can
+    replay the same trace in lockstep (``request_cost``).
     ``timer`` times the cache work of each event (``RunStats.event_seconds``)."""
     summary = trace.summary()
     h = make_harness(shape, pool_tokens, enable_session,
@@ -530,6 +531,8 @@ def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: boo
                 prev_prompt_len[sid] = n
         if check_every and stats.requests % check_every == 0:
             _check(h, stats, f"after request {stats.requests}")
+    # The trace is done; what follows are the checks (a profiler stops here).
+    yield
     stats.seconds = time.perf_counter() - t_run
     stats.stream_digest = digest.hexdigest()
     del cache.evict  # stop counting: the checks below evict everything

@@ -20,13 +20,18 @@ generation, cache construction, the end-of-run checks (``check()``,
 cyclic garbage collector is paused during a pair and runs after it.
 
     python -m sglang_session_cache_bench.request_cost [--repeats 5] [--size 8%]
-        [--shapes full,swa,swa_mamba] [--equal-hit] [--json FILE]
+        [--shapes full,swa,swa_mamba] [--equal-hit] [--breakdown] [--json FILE]
 
 ``--equal-hit`` adds a control to the same lockstep: session cache off on the
 larger pool where it reuses as many prompt tokens as the on run (found by
 untimed bisection), so a run can tell what the hits themselves cost SGLang's
 own walks from what the session machinery costs.  The evictions per request
 (deterministic) are printed for off and on.
+
+``--breakdown`` then replays once more per side with a timer around every
+session hook and SGLang entry point (``sglang_session_cache_bench.hook_profile``)
+and prints where the on run's time goes, per request; those replays are not
+part of the paired ratios.
 
 Target (issue 14): on/off <= 1.05 per shape.
 """
@@ -53,6 +58,7 @@ from sglang_session_cache_bench.agentic import (
     write_json,
 )
 from sglang_session_cache.protection_policy import FROM_TURN_FIELD, normalize_from_turn
+from sglang_session_cache_bench import hook_profile
 from sglang_session_cache_bench.trace import GeneratorConfig, generate_trace, ideal_stats
 
 TARGET = 1.05
@@ -125,7 +131,8 @@ def equal_hit_pool(trace, shape: str, pool: int, target_hit: float, limit: int) 
 
 
 def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
-        sessions=None, protect_from_turn=None, equal_hit: bool = False) -> dict:
+        sessions=None, protect_from_turn=None, equal_hit: bool = False,
+        breakdown: bool = False) -> dict:
     import logging
 
     import torch
@@ -204,13 +211,15 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
                         "equal_hit_ratio_min": min(eq_ratios),
                         "equal_hit_ratio_max": max(eq_ratios),
                     })
+                if breakdown:
+                    row["breakdown"] = hook_profile.breakdown(trace, shape, pool)
                 rows.append(row)
     finally:
         torch.set_num_threads(threads)
         harness.release_server_args()
     return {"requests": summary["requests"], "pool_tokens": pool, "size": size,
             "seed": seed, "protect_from_turn": protect_from_turn,
-            "equal_hit": equal_hit, "rows": rows}
+            "equal_hit": equal_hit, "breakdown": breakdown, "rows": rows}
 
 
 def format_table(result: dict) -> str:
@@ -247,6 +256,10 @@ def format_table(result: dict) -> str:
             )
     worst = max(r["ratio"] for r in result["rows"])
     lines.append(f"worst shape on/off: {worst:.3f} (target <= {TARGET:.2f})")
+    for r in result["rows"]:
+        if "breakdown" in r:
+            lines.append(hook_profile.format_breakdown(SHAPE_TITLES[r["shape"]],
+                                                       r["breakdown"]))
     return "\n".join(lines)
 
 
@@ -269,12 +282,16 @@ def main(argv=None) -> int:
     p.add_argument("--equal-hit", action="store_true",
                    help="add a control: session cache off on the (larger) pool where it "
                         "reuses as much as on, timed in the same lockstep")
+    p.add_argument("--breakdown", action="store_true",
+                   help="after the pairs, replay once more per side with a timer around "
+                        "each session hook and SGLang entry point, and print where the "
+                        "on run's time goes (not part of the paired ratios)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     size = args.size if args.size.endswith("%") else int(args.size)
     t0 = time.perf_counter()
     result = run(args.shapes, size, args.repeats, args.seed, args.sessions,
-                 args.protect_from_turn, args.equal_hit)
+                 args.protect_from_turn, args.equal_hit, args.breakdown)
     print(format_table(result))
     _log(f"[request_cost] done in {time.perf_counter() - t0:.1f}s")
     if args.json:

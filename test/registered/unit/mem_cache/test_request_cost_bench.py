@@ -19,11 +19,13 @@ def _release_server_args():
 def test_request_cost_benchmark_smoke(capsys, tmp_path):
     out = tmp_path / "cost.json"
     rc = request_cost.main(
-        ["--sessions", "3", "--repeats", "2", "--size", "30%", "--json", str(out)]
+        ["--sessions", "3", "--repeats", "2", "--size", "30%", "--breakdown",
+         "--json", str(out)]
     )
     assert rc == 0
     text = capsys.readouterr().out
     assert "worst shape on/off" in text
+    assert text.count("where the on run's time goes") == 3
     result = json.loads(out.read_text())
     assert [r["shape"] for r in result["rows"]] == ["full", "swa", "swa_mamba"]
     assert result["requests"] > 0 and result["pool_tokens"] > 0
@@ -33,6 +35,9 @@ def test_request_cost_benchmark_smoke(capsys, tmp_path):
         assert r["ratio_min"] <= r["ratio"] <= r["ratio_max"]
         # Same trace, same pool: sessions on never reuse less here.
         assert 0 <= r["off_hit_rate"] <= r["on_hit_rate"] <= 1
+        b = r["breakdown"]
+        assert 0 < b["hooks_total_us"] < b["on_us"]
+        assert b["hooks"]["arrival stamp"]["calls"] == 1.0  # every request arrives once
 
 
 def test_lockstep_replays_the_same_stream_on_both_sides():
@@ -66,3 +71,58 @@ def test_equal_hit_control_replays_a_third_cache_that_reuses_as_much():
     # The control buys the on run's reuse with memory instead of sessions.
     assert control.hit_rate >= on_hit or eq == footprint
     assert control.stream_digest == runs[True].stream_digest
+
+
+def test_breakdown_times_every_hook_and_restores_the_classes():
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    from sglang_session_cache.session_tracker import UnifiedSessionRefTracker
+    from sglang_session_cache_bench import hook_profile
+    from sglang_session_cache_bench.agentic import min_pool_tokens
+    from sglang_session_cache_bench.trace import GeneratorConfig, TraceClose, generate_trace
+
+    before = (dict(UnifiedSessionRefTracker.__dict__), dict(UnifiedRadixCache.__dict__))
+    trace = generate_trace(GeneratorConfig(seed=2, sessions=4, concurrency=2))
+    summary = trace.summary()
+    b = hook_profile.breakdown(trace, "swa", min_pool_tokens(trace))
+    assert (dict(UnifiedSessionRefTracker.__dict__), dict(UnifiedRadixCache.__dict__)) == before
+    hooks, sglang = b["hooks"], b["sglang"]
+    assert set(hooks) == {label for label, *_ in hook_profile.HOOKS + hook_profile.NESTED}
+    # Counted exactly: one arrival and one finish per request on both sides,
+    # one close per close event, a registration only for session requests.
+    n = summary["requests"]
+    assert hooks["arrival stamp"]["calls"] == 1.0
+    assert sglang["cache_finished_req"]["off"]["calls"] == 1.0
+    assert sglang["cache_finished_req"]["on"]["calls"] == 1.0
+    closes = sum(1 for ev in trace.events if isinstance(ev, TraceClose) or ev.close)
+    assert hooks["close"]["calls"] * n == pytest.approx(closes)
+    assert 0 < hooks["finish: registration"]["calls"] <= 1.0
+    assert sglang["match_prefix"]["on"]["calls"] == sglang["match_prefix"]["off"]["calls"]
+    assert all(r["us"] >= 0 for r in hooks.values())
+    # The nested row is not added to the total.
+    top = sum(hooks[label]["us"] for label, *_ in hook_profile.HOOKS)
+    assert b["hooks_total_us"] == pytest.approx(top)
+    assert "session hooks, total" in hook_profile.format_breakdown("FULL+SWA", b)
+
+
+def test_timed_methods_restores_on_error_and_keeps_inherited_lookups():
+    from sglang_session_cache_bench.hook_profile import timed_methods
+
+    class Base:
+        def f(self):
+            return 1
+
+    class Child(Base):
+        def g(self):
+            raise KeyError("boom")
+
+    with pytest.raises(KeyError):
+        with timed_methods([("f", Child, "f"), ("g", Child, "g")]) as timers:
+            assert Child().f() == 1
+            timers.side = "other"
+            Child().f()
+            Child().g()
+    # Counted per side; a call that raised still counts.
+    assert timers.rows()["f"][0] == 1 and timers.rows()["g"][0] == 0
+    assert timers.rows("other")["f"][0] == 1 and timers.rows("other")["g"][0] == 1
+    assert "f" not in Child.__dict__  # inherited again, not pinned on Child
+    assert Child.__dict__["g"].__name__ == "g" and not hasattr(Child.g, "__wrapped__")
