@@ -212,6 +212,8 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
                         "equal_hit_ratio_max": max(eq_ratios),
                     })
                 if breakdown:
+                    _log(f"[request_cost] {SHAPE_TITLES[shape]:<15} breakdown: one more "
+                         "pair with a timer around every hook")
                     row["breakdown"] = hook_profile.breakdown(trace, shape, pool)
                 rows.append(row)
     finally:
