@@ -10,7 +10,8 @@ on a shared box hit both sides alike.  One lockstep replay is one pair; a
 shape's result is the median of ``--repeats`` paired on/off ratios (pairs
 alternate which side starts).  On-runs use the server defaults of the
 session flags (``--session-radix-cache-protect-from-turn auto``, protection
-bound 0.9) unless ``--session-radix-cache-protect-from-turn`` says otherwise.
+bound ``auto``) unless ``--session-radix-cache-protect-from-turn`` /
+``--session-radix-cache-max-protected-fraction`` say otherwise.
 
 Timed: each event's cache work only (a request's arrival stamp, prefill,
 decode steps and finish; closes; clock ticks), in process CPU time
@@ -48,6 +49,7 @@ from typing import Optional
 from sglang_session_cache_bench.agentic import (
     SHAPE_TITLES,
     SHAPES,
+    fraction_option,
     from_turn_option,
     min_pool_tokens,
     parse_shapes,
@@ -57,7 +59,12 @@ from sglang_session_cache_bench.agentic import (
     resolve_sizes,
     write_json,
 )
-from sglang_session_cache.protection_policy import FROM_TURN_FIELD, normalize_from_turn
+from sglang_session_cache.protection_policy import (
+    FRACTION_FIELD,
+    FROM_TURN_FIELD,
+    normalize_fraction,
+    normalize_from_turn,
+)
 from sglang_session_cache_bench import hook_profile
 from sglang_session_cache_bench.trace import GeneratorConfig, generate_trace, ideal_stats
 
@@ -132,7 +139,7 @@ def equal_hit_pool(trace, shape: str, pool: int, target_hit: float, limit: int) 
 
 def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
         sessions=None, protect_from_turn=None, equal_hit: bool = False,
-        breakdown: bool = False) -> dict:
+        breakdown: bool = False, max_protected_fraction=None) -> dict:
     import logging
 
     import torch
@@ -157,8 +164,11 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     # The server defaults of the session flags, unless a turn is given.
-    options = ({} if protect_from_turn is None
-               else {FROM_TURN_FIELD: normalize_from_turn(protect_from_turn)})
+    options = {}
+    if protect_from_turn is not None:
+        options[FROM_TURN_FIELD] = normalize_from_turn(protect_from_turn)
+    if max_protected_fraction is not None:
+        options[FRACTION_FIELD] = normalize_fraction(max_protected_fraction)
     rows = []
     try:
         with harness.session_server_args(options):
@@ -221,6 +231,7 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
         harness.release_server_args()
     return {"requests": summary["requests"], "pool_tokens": pool, "size": size,
             "seed": seed, "protect_from_turn": protect_from_turn,
+            "max_protected_fraction": max_protected_fraction,
             "equal_hit": equal_hit, "breakdown": breakdown, "rows": rows}
 
 
@@ -230,7 +241,9 @@ def format_table(result: dict) -> str:
         f"pool {result['pool_tokens']:,} tokens = {result['size']} of footprint; "
         f"median of paired on/off ratios"
         + (f"; on: protected from turn {result['protect_from_turn']}"
-           if result.get("protect_from_turn") else "") + ")",
+           if result.get("protect_from_turn") else "")
+        + (f"; on: max protected fraction {result['max_protected_fraction']}"
+           if result.get("max_protected_fraction") else "") + ")",
         f"{'shape':<16}{'off ms/req':>11}{'on ms/req':>11}{'on/off':>8}"
         f"{'range':>13}{'pairs':>7}{'hit off':>9}{'hit on':>8}",
     ]
@@ -281,6 +294,11 @@ def main(argv=None) -> int:
                    help="session on: protect from a session's N-th request (default: the "
                         "server default); a turn no session reaches measures the "
                         "machinery alone, with the off run's tree")
+    p.add_argument("--session-radix-cache-max-protected-fraction", type=fraction_option,
+                   default=None, metavar="F|auto", dest="max_protected_fraction",
+                   help="session on: the protection bound (default: the server default, "
+                        "auto); a fixed F keeps no ghosts and learns nothing, which "
+                        "measures what the learned bound costs")
     p.add_argument("--equal-hit", action="store_true",
                    help="add a control: session cache off on the (larger) pool where it "
                         "reuses as much as on, timed in the same lockstep")
@@ -293,7 +311,8 @@ def main(argv=None) -> int:
     size = args.size if args.size.endswith("%") else int(args.size)
     t0 = time.perf_counter()
     result = run(args.shapes, size, args.repeats, args.seed, args.sessions,
-                 args.protect_from_turn, args.equal_hit, args.breakdown)
+                 args.protect_from_turn, args.equal_hit, args.breakdown,
+                 args.max_protected_fraction)
     print(format_table(result))
     _log(f"[request_cost] done in {time.perf_counter() - t0:.1f}s")
     if args.json:

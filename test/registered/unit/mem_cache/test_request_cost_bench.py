@@ -126,3 +126,31 @@ def test_timed_methods_restores_on_error_and_keeps_inherited_lookups():
     assert timers.rows("other")["f"][0] == 1 and timers.rows("other")["g"][0] == 1
     assert "f" not in Child.__dict__  # inherited again, not pinned on Child
     assert Child.__dict__["g"].__name__ == "g" and not hasattr(Child.g, "__wrapped__")
+
+
+def test_protection_options_reach_the_on_cache(capsys, tmp_path, monkeypatch):
+    from sglang_session_cache.session_tracker import UnifiedSessionRefTracker
+
+    seen = []
+    configure = UnifiedSessionRefTracker.configure_protection
+
+    def record(self, fraction, from_turn):
+        seen.append((fraction, from_turn))
+        return configure(self, fraction, from_turn)
+
+    monkeypatch.setattr(UnifiedSessionRefTracker, "configure_protection", record)
+    out = tmp_path / "cost.json"
+    rc = request_cost.main(
+        ["--sessions", "3", "--repeats", "1", "--size", "30%", "--shapes", "full",
+         "--session-radix-cache-max-protected-fraction", "0.5",
+         "--session-radix-cache-protect-from-turn", "2", "--json", str(out)]
+    )
+    assert rc == 0
+    assert "max protected fraction 0.5" in capsys.readouterr().out
+    assert json.loads(out.read_text())["max_protected_fraction"] == 0.5
+    # Every on cache built (warm-up and timed pairs) got both options.
+    assert seen and set(seen) == {(0.5, 2)}
+    with pytest.raises(SystemExit) as bad:
+        request_cost.main(["--session-radix-cache-max-protected-fraction", "1.5"])
+    assert bad.value.code == 2
+    assert "max-protected-fraction" in capsys.readouterr().err
