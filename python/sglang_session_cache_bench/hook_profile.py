@@ -4,13 +4,13 @@ replay with a timer around each (``request_cost --breakdown``).
 
 Times are inclusive (a row counts what it calls).  The hook rows do not nest
 in one another; the "of which" rows (bound enforcement, LRU partition moves)
-run inside several of them and are listed apart.  The SGLang rows contain the hooks that
-run inside them (a match its ghost check, a finish its registration, an
-eviction its ghost records and hand-overs).  Timers and event times are
-wall clock (``perf_counter``, about 0.05 us a reading; a CPU-time reading
-costs 0.6 us, too much around a hook of a few), and the two sides
-replay in lockstep, as the paired runs do, but once: a single pair.  The
-timers themselves add a little, so these replays are never the paired,
+run inside several of them and are listed apart.  The SGLang rows contain the
+hooks that run inside them (a match its ghost check, a finish its
+registration, an eviction its ghost records and hand-overs).  Timers and
+event times are wall clock (``perf_counter``, about 0.05 us a reading; a
+CPU-time reading costs 0.6 us, too much around a hook of a few), and the two
+sides replay in lockstep, as the paired runs do, but once: a single pair.
+The timers themselves add a little, so these replays are never the paired,
 timed ones.
 """
 
