@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import time
 
 #: (label, class, method).  Top-level hooks: none of them runs inside
@@ -135,44 +134,29 @@ def _timer(fn, label: str, timers: MethodTimers, clock):
 
 def breakdown(trace, shape: str, pool: int) -> dict:
     """An off and an on replay of ``trace`` in lockstep (event by event, who
-    goes first alternating, the cyclic collector paused: as ``request_cost``
-    pairs them), with the timers in place, counted per side up to the end of
-    the trace (the end-of-run checks are left out).  Per request: calls and
+    goes first alternating, the cyclic collector paused: ``request_cost``'s
+    own ``lockstep``), with the timers in place, counted per side up to the
+    end of the trace (the end-of-run checks are left out).  Per request: calls and
     microseconds of every hook (on) and SGLang entry point (both sides), and
     each side's event time."""
-    from sglang_session_cache_bench.agentic import replay_steps
+    from sglang_session_cache_bench.request_cost import lockstep
 
     hook_targets = [(label, _owner(cls), name) for label, cls, name in HOOKS + NESTED]
     sglang_targets = [(label, _owner(cls), name) for label, cls, name in SGLANG]
     sglang_labels = {label for label, _, _ in SGLANG}
     events = len(trace.events)
-    done = {}
+    taken = {False: 0, True: 0}
     with timed_methods(sglang_targets + hook_targets) as timers:
-        steps = {on: replay_steps(trace, shape, pool, on) for on in (False, True)}
-        taken = dict.fromkeys(steps, 0)
-        gc.collect()
-        gc.disable()
-        try:
-            order = [False, True]
-            while len(done) < len(steps):
-                for on in order:
-                    if on in done:
-                        continue
-                    # Step 0 builds the cache, steps 1..events replay the
-                    # trace, the one after runs the checks: not counted.
-                    timers.side = on if 0 < taken[on] <= events else None
-                    taken[on] += 1
-                    try:
-                        next(steps[on])
-                    except StopIteration as stop:
-                        done[on] = stop.value
-                order.reverse()
-        finally:
-            gc.enable()
+
+        def before_step(on):
+            # One step per trace event; the one after runs the checks: not counted.
+            timers.side = on if taken[on] < events else None
+            taken[on] += 1
+
+        done = lockstep(trace, shape, pool, first_on=False,
+                        timer=time.perf_counter, before_step=before_step)
     out = {"hooks": {}, "sglang": {}}
     for on, stats in done.items():
-        if stats.issues:
-            raise RuntimeError(f"{shape} session={'on' if on else 'off'}: {stats.issues}")
         n = max(1, stats.requests)
         side = "on" if on else "off"
         out[f"{side}_us"] = 1e6 * stats.event_seconds / n

@@ -80,18 +80,22 @@ def _log(msg: str) -> None:
 
 
 def lockstep(trace, shape: str, pool: int, first_on: bool,
-             equal_hit_pool: Optional[int] = None) -> dict:
+             equal_hit_pool: Optional[int] = None, timer=time.process_time,
+             before_step=None) -> dict:
     """Replay ``trace`` on an off and an on cache side by side, event by event
     (who goes first rotates every event), timing each event's cache work in
     process CPU time.  With ``equal_hit_pool`` a third cache, session cache
     off on that larger pool, replays alongside (key ``EQUAL_HIT``).  The
     cyclic garbage collector is paused while the replays run (a collection
     would be charged to whichever side triggered it, and it walks every
-    tree); it runs after them."""
+    tree); it runs after them.  ``before_step(name)``, when given, is
+    called before each of a side's steps after the cache is built: one per
+    trace event, then one that runs the end-of-run checks
+    (``agentic.replay_steps``)."""
     sides = {False: (pool, False), True: (pool, True)}
     if equal_hit_pool is not None:
         sides[EQUAL_HIT] = (equal_hit_pool, False)
-    steps = {name: replay_steps(trace, shape, p, on, timer=time.process_time)
+    steps = {name: replay_steps(trace, shape, p, on, timer=timer)
              for name, (p, on) in sides.items()}
     done = {}
     gc.collect()
@@ -106,6 +110,8 @@ def lockstep(trace, shape: str, pool: int, first_on: bool,
             for name in order:
                 if name in done:
                     continue
+                if before_step is not None:
+                    before_step(name)
                 try:
                     next(steps[name])
                 except StopIteration as stop:
@@ -163,7 +169,7 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
     # As in the agentic benchmark: one intra-op thread, same for off and on.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # The server defaults of the session flags, unless a turn is given.
+    # The server defaults of the session flags, unless given.
     options = {}
     if protect_from_turn is not None:
         options[FROM_TURN_FIELD] = normalize_from_turn(protect_from_turn)
