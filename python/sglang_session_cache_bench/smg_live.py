@@ -226,7 +226,12 @@ def main(argv: Optional[list] = None) -> int:
         workers = [s.url for s in servers]
         for k, policy in enumerate(policies):
             for w in workers:
-                _post(w + "/flush_cache", {})
+                # Each policy starts from empty caches.  The scheduler waits
+                # up to 60 s for idle (it refuses a flush while a request is
+                # still in its last batch) instead of failing at once.
+                status, body = _post(w + "/flush_cache?timeout=60", {})
+                if status != 200:
+                    raise RuntimeError(f"{w}/flush_cache failed ({status}): {body.strip()}")
             router = Router(workers, policy, os.path.join(args.out, f"smg_{policy}.log"))
             _log(f"smg --policy {policy} ...")
             try:

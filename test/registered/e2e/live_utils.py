@@ -90,8 +90,11 @@ def flood(url: str, rng: random.Random, n: int, length: int, tag: Iterable[int] 
 
 def flush(url: str) -> None:
     """Empty the server's cache (SGLang's /flush_cache), so a test starts from a
-    pool with room instead of the module's leftovers."""
-    r = requests.post(url + "/flush_cache", timeout=60)
+    pool with room instead of the module's leftovers.  SGLang refuses a flush
+    while any request is still in the scheduler (a finished one can sit in its
+    last batch for a step after the HTTP reply); ``timeout`` makes the
+    scheduler wait for idle instead of failing at once."""
+    r = requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=90)
     assert r.status_code == 200, r.text
 
 
