@@ -294,11 +294,30 @@ def start_all(servers: Iterable[LaunchedServer], timeout: float = DEFAULT_STARTU
     return servers
 
 
+def flush_cache(url: str, wait_s: float = 60.0) -> tuple:
+    """POST the server's ``/flush_cache``; returns ``(status, body)`` (200:
+    flushed).  SGLang refuses a flush while any request is still in the
+    scheduler, and a finished request can sit in its last batch for a step
+    after its HTTP reply; ``timeout`` makes the scheduler wait up to
+    ``wait_s`` for idle instead of failing at once."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/flush_cache?timeout={wait_s:g}", data=b"",
+                                 method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=wait_s + 30) as r:
+            return r.status, r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode("utf-8", "replace")
+
+
 __all__ = [
     "LaunchedServer",
     "ServerStartError",
     "build_tiny_model",
     "find_test_dir",
+    "flush_cache",
     "free_port",
     "helper_paths",
     "start_all",

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from sglang_session_cache.close_fanout import close_everywhere, router_workers
-from sglang_session_cache_bench.live_server import LaunchedServer, free_port, start_all
+from sglang_session_cache_bench.live_server import (LaunchedServer, flush_cache, free_port,
+                                                    start_all)
 from sglang_session_cache_bench.tiny_models import VOCAB_SIZE
 from sglang_session_cache_bench.trace import GeneratorConfig, TraceClose, generate_trace
 
@@ -226,10 +227,8 @@ def main(argv: Optional[list] = None) -> int:
         workers = [s.url for s in servers]
         for k, policy in enumerate(policies):
             for w in workers:
-                # Each policy starts from empty caches.  The scheduler waits
-                # up to 60 s for idle (it refuses a flush while a request is
-                # still in its last batch) instead of failing at once.
-                status, body = _post(w + "/flush_cache?timeout=60", {})
+                # Each policy starts from empty caches.
+                status, body = flush_cache(w)
                 if status != 200:
                     raise RuntimeError(f"{w}/flush_cache failed ({status}): {body.strip()}")
             router = Router(workers, policy, os.path.join(args.out, f"smg_{policy}.log"))

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from sglang_session_cache_bench.live_server import (DEFAULT_STARTUP_TIMEOUT_S, LaunchedServer,
-                                                      start_all)
+                                                      flush_cache, start_all)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -90,12 +90,10 @@ def flood(url: str, rng: random.Random, n: int, length: int, tag: Iterable[int] 
 
 def flush(url: str) -> None:
     """Empty the server's cache (SGLang's /flush_cache), so a test starts from a
-    pool with room instead of the module's leftovers.  SGLang refuses a flush
-    while any request is still in the scheduler (a finished one can sit in its
-    last batch for a step after the HTTP reply); ``timeout`` makes the
-    scheduler wait for idle instead of failing at once."""
-    r = requests.post(url + "/flush_cache", params={"timeout": 60}, timeout=90)
-    assert r.status_code == 200, r.text
+    pool with room instead of the module's leftovers (waiting for the
+    scheduler to go idle: ``live_server.flush_cache``)."""
+    status, body = flush_cache(url)
+    assert status == 200, body
 
 
 def session_survives(url: str, sid: str, prompt_len: int, flood_args: tuple) -> tuple:
