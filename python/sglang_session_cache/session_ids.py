@@ -5,11 +5,16 @@ A session id is a ``str`` that
 * is not empty and not whitespace-only,
 * has at most ``MAX_SESSION_ID_LEN`` (256) characters,
 * contains no control character (Unicode category ``Cc``: NUL, ``\\n``,
-  ``\\t``, DEL, C1 controls, ...).
+  ``\\t``, DEL, C1 controls, ...), no line or paragraph separator
+  (U+2028, U+2029), no bidirectional control (U+202A-U+202E,
+  U+2066-U+2069) and no unpaired surrogate.
 
 256 leaves room for UUIDs, agent/run/task compound names and hashes, while an
 id can no longer grow a server's session bookkeeping without bound. Control
-characters are refused because ids end up in logs and metrics labels.
+characters, separators and bidirectional controls are refused because ids end
+up in logs and metrics labels (they break or reorder log lines); an unpaired
+surrogate (JSON ``"\\ud801"``) cannot be encoded as UTF-8, so a reply or log
+line carrying it would fail after the scheduler had already acted on it.
 
 ``session_id_problem`` returns a message for a bad id (``None`` for a good
 one); the message is what clients see in the HTTP 400 body.
@@ -23,8 +28,31 @@ from typing import Any, Optional
 MAX_SESSION_ID_LEN = 256
 RULE = (
     f"must be a non-empty string of at most {MAX_SESSION_ID_LEN} characters, "
-    "not only whitespace, without control characters (NUL, newline, tab, ...)"
+    "not only whitespace, without control characters (NUL, newline, tab, ...), "
+    "line separators, bidirectional controls or unpaired surrogates"
 )
+
+#: Refused besides the ``Cc`` controls: Unicode category -> what the client is told.
+_REFUSED_CATEGORIES = {
+    "Cc": "control character",
+    "Cs": "unpaired surrogate",
+    "Zl": "line separator",
+    "Zp": "paragraph separator",
+}
+#: Format characters (``Cf``) that reorder how a log line reads.
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _refused_char(sid: str) -> Optional[str]:
+    """``"<what> <char>"`` for the first refused character of ``sid``."""
+    category = unicodedata.category
+    for c in sid:
+        what = _REFUSED_CATEGORIES.get(category(c))
+        if what is None and c in _BIDI_CONTROLS:
+            what = "bidirectional control character"
+        if what is not None:
+            return f"{what} {c!r}"
+    return None
 
 
 def _shown(text: str) -> str:
@@ -43,10 +71,10 @@ def session_id_problem(session_id: Any, field: str = "session_id") -> Optional[s
     elif len(sid) > MAX_SESSION_ID_LEN:
         why = f"got {len(sid)} characters"
     else:
-        bad = next((c for c in sid if unicodedata.category(c) == "Cc"), None)
+        bad = _refused_char(sid)
         if bad is None:
             return None
-        why = f"got control character {bad!r} in {_shown(sid)}"
+        why = f"got {bad} in {_shown(sid)}"
     return f"Invalid {field}: {field} {RULE}; {why}."
 
 

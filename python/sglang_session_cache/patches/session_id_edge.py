@@ -19,9 +19,14 @@ def _enabled(manager) -> bool:
     return bool(getattr(manager.server_args, "enable_session_radix_cache", False))
 
 
-async def _rejected(message: str):
+async def _rejected(obj, message: str):
     # An async generator like the original, failing on first iteration the way
-    # SGLang's own validation errors do.
+    # SGLang's own validation errors do.  The request is normalized first, as
+    # the original does before anything else: a streaming /generate starts a
+    # background abort task that reads ``obj.is_single`` and ``obj.rid`` two
+    # seconds later, and without them it logs a Traceback for every refused
+    # stream.  (An error of the normalization itself wins, as in stock.)
+    obj.normalize_batch_and_arguments()
     raise ValueError(message)
     yield  # pragma: no cover - makes this an async generator
 
@@ -31,7 +36,7 @@ def _wrap_generate_request(orig):
         if _enabled(self):
             problem = generate_request_problem(obj)
             if problem is not None:
-                return _rejected(problem)
+                return _rejected(obj, problem)
         return orig(self, obj, request)  # the original generator, not a proxy
 
     return generate_request

@@ -156,6 +156,9 @@ BAD_IDS = {
     "over_long": ("x" * 100_000, "100000 characters"),
     "nul": ("a\x00b", "control character"),
     "newline": ("a\nb", "control character"),
+    # JSON "\ud801": the reply to /open_session once failed with a 500 after
+    # the scheduler had opened the session.
+    "surrogate": ("a\ud801", "unpaired surrogate"),
 }
 
 
@@ -184,6 +187,25 @@ def test_bad_session_ids_get_400_and_server_keeps_serving(servers, kind):
     assert requests.get(url + "/health", timeout=30).status_code == 200
     assert generate(url, [1, 2, 3], f"fine-{kind}")["meta_info"]["completion_tokens"] == 4
     assert close(url, f"fine-{kind}").status_code == 200
+
+
+def test_bad_session_id_on_a_stream_gets_an_error_event_and_no_traceback(servers):
+    # A streaming /generate answers with an SSE error event; SGLang's abort
+    # task for the stream runs two seconds later and must find a request it
+    # can read (a refused stream once left a Traceback in the log each time).
+    url = servers["on"].url
+    sp = {"temperature": 0, "max_new_tokens": 2}
+    for body in ({"input_ids": [1, 2, 3]}, {"text": ["a", "b"]}):
+        r = requests.post(url + "/generate", json={**body, "session_id": "", "stream": True,
+                                                   "sampling_params": sp}, timeout=60)
+        assert r.status_code == 200, r.text[:300]  # SSE: the error travels as an event
+        events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events
+        assert '"code":400' in events[0].replace(" ", "") and "empty string" in events[0], events
+    time.sleep(3)
+    assert "Traceback" not in servers["on"].log_text()
+    assert generate(url, [1, 2, 3], "after-stream")["meta_info"]["completion_tokens"] == 4
+    assert close(url, "after-stream").status_code == 200
 
 
 def test_unknown_and_double_close_are_harmless(servers):

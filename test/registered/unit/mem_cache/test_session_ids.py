@@ -12,7 +12,8 @@ from sglang_session_cache.session_ids import (
     validate_session_id,
 )
 
-GOOD = ["a", "agent-42", "x" * MAX_SESSION_ID_LEN, "ünïcode id", "0f" * 16, " padded "]
+GOOD = ["a", "agent-42", "x" * MAX_SESSION_ID_LEN, "ünïcode id", "0f" * 16, " padded ",
+        "family-\U0001F468\u200d\U0001F467"]  # an emoji joined by ZWJ (a format char) is fine
 BAD = {
     "empty": ("", "empty string"),
     "whitespace": (" \t ", "only whitespace"),
@@ -25,6 +26,13 @@ BAD = {
     "newline": ("a\nb", "control character '\\n'"),
     "del": ("a\x7f", "control character '\\x7f'"),
     "c1": ("a\x85", "control character"),
+    # Not encodable as UTF-8: the reply to /open_session failed after the
+    # scheduler had opened the session (a 500 for an open session).
+    "surrogate": ("a\ud801", "unpaired surrogate '\\ud801'"),
+    "line_separator": ("a\u2028b", "line separator '\\u2028'"),
+    "paragraph_separator": ("a\u2029b", "paragraph separator"),
+    "bidi_override": ("user\u202eevil", "bidirectional control character '\\u202e'"),
+    "bidi_isolate": ("a\u2066b", "bidirectional control character"),
 }
 
 
@@ -86,3 +94,28 @@ def test_flag_off_leaves_the_original_generator_untouched():
     gen = _manager(False).generate_request(obj)
     assert gen.ag_code is orig.__code__  # stock generator, no proxy
     gen.aclose  # never started: nothing ran
+
+
+@pytest.mark.parametrize("body", [{"input_ids": [1, 2]}, {"text": ["a", "b"]}])
+def test_a_refused_stream_leaves_what_the_abort_task_reads(body):
+    # SGLang's streaming /generate starts create_abort_task(obj), which reads
+    # obj.is_single and obj.rid two seconds later; the original sets them
+    # while normalizing, so the refusal must too (else a Traceback per stream).
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(**body, session_id="", stream=True)
+    gen = _manager(True).generate_request(obj)
+    with pytest.raises(ValueError, match="Invalid session_id.*empty string"):
+        asyncio.run(gen.__anext__())
+    assert obj.is_single is ("input_ids" in body)
+    rids = [obj.rid] if obj.is_single else obj.rid
+    assert len(rids) == (1 if obj.is_single else 2) and all(rids)
+
+
+def test_a_malformed_request_keeps_sglangs_own_error():
+    # SGLang's own validation runs first, as on a stock server.
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    gen = _manager(True).generate_request(GenerateReqInput(session_id=""))
+    with pytest.raises(ValueError, match="Either text, input_ids or input_embeds should be provided"):
+        asyncio.run(gen.__anext__())
