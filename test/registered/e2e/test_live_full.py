@@ -208,6 +208,15 @@ def test_bad_session_id_on_a_stream_gets_an_error_event_and_no_traceback(servers
     assert close(url, "after-stream").status_code == 200
 
 
+def test_flag_off_leaves_session_ids_to_stock_sglang(servers):
+    # Without the flag nothing of ours checks ids: the reply is stock's.
+    url = servers["off"].url
+    r = requests.post(url + "/generate", json={"input_ids": [1, 2, 3], "session_id": "a\x00b",
+                                               "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert "must be a non-empty string of at most 256" not in r.text, r.text[:300]
+    assert requests.get(url + "/health", timeout=30).status_code == 200
+
+
 def test_unknown_and_double_close_are_harmless(servers):
     url = servers["on"].url
     assert close(url, "never-opened").status_code == 200
