@@ -171,6 +171,10 @@ class UnifiedSessionRefTracker:
     # requests are counted under it, so an explicit re-open (new generation)
     # still sees the old generation's requests finish.
     epochs: dict = dataclasses.field(default_factory=dict)
+    # Open ids whose current incarnation came from an explicit open
+    # (/open_session): the tracker's own, rank-independent answer to "is this
+    # id one of SGLang's session-controller sessions" (see is_explicitly_open).
+    explicit: set = dataclasses.field(default_factory=set)
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
     # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
@@ -200,6 +204,7 @@ class UnifiedSessionRefTracker:
         self.idle.clear()
         self.recency.clear()
         self.epochs.clear()
+        self.explicit.clear()
         self.closed.clear()
         self._tombstone_chars_used = 0
         self.streaming.clear()
@@ -243,11 +248,22 @@ class UnifiedSessionRefTracker:
             return None
         own_ttl = normalize_ttl(timeout) if timeout is not None else None
         gen = self._open(sid, new_generation=True)
+        self.explicit.add(sid)
         if own_ttl is not None:
             act = self.idle.sessions[sid]
             act.ttl = own_ttl
             self.idle.touch(sid)
         return gen
+
+    def is_explicitly_open(self, session_id: str) -> bool:
+        """Whether ``session_id`` is open from an explicit open that no close,
+        expiry or room-making has ended since.  The scheduler asks this
+        instead of SGLang's session controller when deciding whether an
+        ``/open_session`` re-opens: the controller's reaper closes timed-out
+        and deferred-close sessions on each rank's own clock, so its answer
+        can differ between TP/PP ranks; this one only changes with
+        scheduler-ordered events and the shared clock."""
+        return session_id in self.explicit
 
     def _open(self, sid: str, new_generation: bool = False, touch: bool = True) -> int:
         """``touch=False``: the caller records the activity itself (an
@@ -477,6 +493,7 @@ class UnifiedSessionRefTracker:
         self.idle.remove(sid)
         self.recency.pop(sid, None)
         self.epochs.pop(sid, None)
+        self.explicit.discard(sid)
         self.policy.forget(sid)
         released = 0
         for refs in self.index_owners:
@@ -630,6 +647,9 @@ class UnifiedSessionRefTracker:
                         f"[{refs.ct}] closed or unknown session {sid!r} still holds leaves"
                     )
         open_ids = self.generations.keys()
+        if not self.explicit <= open_ids:
+            raise SessionStateError(
+                f"explicitly opened ids {sorted(self.explicit - open_ids)} are not open")
         if self.idle.sessions.keys() != open_ids or self.recency.keys() != open_ids:
             raise SessionStateError(
                 f"TTL activity index {sorted(self.idle.sessions)} / recency "

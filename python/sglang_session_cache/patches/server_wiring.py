@@ -152,10 +152,13 @@ def _plain_or_none(session_id):
 
 def _wrap_open_session(orig):
     def open_session(self, recv_req):
-        # Decided from the controller's state, not the reply (only rank 0 gets
-        # one): an open the controller refuses (id already one of its
-        # sessions) must not start a new generation.
-        refused = False
+        # An open of an id that is still explicitly open is refused (SGLang's
+        # controller answers "already exist") and must not start a new
+        # generation.  Decided from the tracker, not from the controller or
+        # the reply: only rank 0 gets a reply, and the controller's reaper
+        # drops timed-out and deferred-close sessions on each rank's own
+        # clock, so asking it could re-open on some TP/PP ranks only.
+        tracker = None
         if self.server_args.enable_session_radix_cache:
             sid = recv_req.session_id
             plain = _plain_or_none(sid)
@@ -163,22 +166,18 @@ def _wrap_open_session(orig):
                 _sched_logger.warning("open_session rejected: session_id must be a string")
             # None makes stock open answer "cannot open" (success=False).
             recv_req.session_id = plain
-            try:
-                refused = recv_req.session_id in self.session_controller
-            except Exception:  # noqa: BLE001 - a hostile id; the opener rejects it
-                refused = False
+            tracker = getattr(self.tree_cache, "session_ref_tracker", None)
         output = orig(self, recv_req)
-        if self.server_args.enable_session_radix_cache and not refused:
-            opener = getattr(self.tree_cache, "open_radix_session", None)
-            if opener is not None and recv_req.session_id is not None:
-                try:
-                    opener(
+        if tracker is not None and recv_req.session_id is not None:
+            try:
+                if not tracker.is_explicitly_open(recv_req.session_id):
+                    self.tree_cache.open_radix_session(
                         recv_req.session_id,
                         streaming=bool(recv_req.streaming),
                         timeout=getattr(recv_req, "timeout", None),
                     )
-                except Exception as e:  # noqa: BLE001 - never into the scheduler loop
-                    _sched_logger.warning("open_session rejected: %s", _session_error(e))
+            except Exception as e:  # noqa: BLE001 - never into the scheduler loop
+                _sched_logger.warning("open_session rejected: %s", _session_error(e))
         return output
 
     return open_session

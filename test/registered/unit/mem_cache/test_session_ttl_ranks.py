@@ -21,7 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from session_test_utils import SHAPES, make_scheduler  # noqa: E402
+from session_test_utils import SHAPES, arrive, make_scheduler  # noqa: E402
 
 from sglang.srt.managers.scheduler_components.request_receiver import (  # noqa: E402
     SchedulerRequestReceiver,
@@ -219,3 +219,94 @@ def test_process_input_requests_hides_ticks_and_keeps_the_batch(monkeypatch):
     assert seen == [[marker]]
     assert batch[1].t == 42.0 and len(batch) == 2
     assert h.cache.session_ref_tracker.now == 42.0
+
+
+@contextlib.contextmanager
+def rank_time(t: float):
+    """This rank's own clock reads ``t`` (SGLang's session reaper reads it)."""
+    real = time.monotonic
+    time.monotonic = lambda: t
+    try:
+        yield
+    finally:
+        time.monotonic = real
+
+
+def test_reopen_while_the_reaper_has_run_on_one_rank_only(monkeypatch):
+    """SGLang's session controller reaps a timed-out ``/open_session``
+    session on each rank's own clock, at most once a second, so for a moment
+    one rank has reaped it and another has not.  A re-open arriving then must
+    do the same on every rank: the decision comes from the tracker (whose
+    copy of the timeout runs on the shared clock), not from the controller."""
+    from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+    source_t = [5000.0]
+    monkeypatch.setattr(session_clock.time, "monotonic", lambda: source_t[0])
+    monkeypatch.setattr(session_clock, "_last_tick", [float("-inf")])
+    receiver = source_receiver()
+    ranks = [Rank("full", 0.0, 1), Rank("full", 0.0, 2)]
+    for r in ranks:
+        r.h.cache.session_ref_tracker.set_ttl(None)  # only the session's own timeout
+
+    def poll(local_times):
+        source_t[0] += 0.5
+        wire = pickle.dumps(receiver._broadcast_reqs_across_ranks([]))
+        for r, t in zip(ranks, local_times):
+            with rank_time(t):
+                r.sched.process_input_requests(pickle.loads(wire))
+
+    def open_agent():
+        for r in ranks:
+            with rank_time(100.0):
+                r.sched.open_session(OpenSessionReqInput(
+                    capacity_of_str_len=64, session_id="agent", timeout=5.0))
+
+    poll([99.0, 99.0])  # the shared clock starts
+    open_agent()
+    gen = [r.h.cache.session_ref_tracker.generations["agent"] for r in ranks]
+    for r in ranks:
+        req = arrive(r.h, list(range(40)), "agent")
+        r.h.prefill(req, finishing=True)
+        r.h.finish(req)
+    # Both reaper checks run (nothing timed out); rank 1 polls 0.6 s later.
+    poll([104.4, 105.0])
+    # Rank 0's reaper runs again and closes the timed-out controller session;
+    # rank 1's last check was under a second ago, so it still has it.
+    poll([105.6, 105.6])
+    assert "agent" not in ranks[0].sched.session_controller.sessions
+    assert "agent" in ranks[1].sched.session_controller.sessions
+    open_agent()  # the client re-opens: the same request reaches both ranks
+    assert [r.h.cache.session_ref_tracker.generations["agent"] for r in ranks] == gen
+    a, b = (r.signature() for r in ranks)
+    assert a == b
+    assert ranks[0].h.cache.session_ref_tracker.session_leaves("agent")
+    for r in ranks:
+        r.h.cache.validate_session_state()
+
+
+def test_duplicate_open_starts_no_new_generation_and_a_close_ends_it():
+    h = SHAPES["full"]()
+    sched = make_scheduler(h.cache)
+    tracker = h.cache.session_ref_tracker
+    from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput
+
+    def open_():
+        return sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="s"))
+
+    assert open_().success
+    gen = tracker.generations["s"]
+    assert tracker.is_explicitly_open("s")
+    assert not open_().success  # SGLang refuses: already open
+    assert tracker.generations["s"] == gen
+    sched.close_session(CloseSessionReqInput(session_id="s"))
+    assert not tracker.is_explicitly_open("s")
+    open_()
+    assert tracker.generations["s"] > gen and tracker.is_explicitly_open("s")
+    # An id a request opened implicitly is not explicitly open: /open_session
+    # on it starts a new generation, as before.
+    arrive(h, [1, 2, 3], "implicit")
+    implicit = tracker.generations["implicit"]
+    assert not tracker.is_explicitly_open("implicit")
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="implicit"))
+    assert tracker.generations["implicit"] > implicit
+    tracker.validate_session_state()
