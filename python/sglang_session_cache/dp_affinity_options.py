@@ -14,6 +14,7 @@ from typing import Any
 
 from sglang_session_cache.dp_affinity import DEFAULT_MAX_BINDINGS, DEFAULT_OVERLOAD_FACTOR
 from sglang_session_cache.patches._wrap import wrap_class_method
+from sglang_session_cache.server_args_fields import drop_default_options
 
 DISABLE_FIELD = "disable_session_dp_affinity"
 FACTOR_FIELD = "session_dp_affinity_overload_factor"
@@ -101,6 +102,10 @@ def _cli_type(normalizer):
     return parse
 
 
+def _defaults() -> dict:
+    return {field: normalizer(default) for field, (default, normalizer, _) in OPTIONS.items()}
+
+
 def _wrap_add_cli_args(orig):
     def add_cli_args(parser):
         orig(parser)
@@ -124,6 +129,7 @@ def _wrap_from_cli_args(orig):
         server_args = orig(cls, args)
         for field, value in values.items():
             object.__setattr__(server_args, field, OPTIONS[field][1](value))
+        drop_default_options(server_args, _defaults())
         return server_args
 
     return from_cli_args
@@ -135,6 +141,7 @@ def _wrap_init(orig):
             # Construction-time values: bypass ServerArgs' strict-mutation guard.
             object.__setattr__(self, field, normalizer(kwargs.pop(field, default)))
         orig(self, *args, **kwargs)
+        drop_default_options(self, _defaults())
 
     return __init__
 

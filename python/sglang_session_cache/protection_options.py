@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from sglang_session_cache.patches._wrap import wrap_class_method
+from sglang_session_cache.server_args_fields import drop_default_options
 from sglang_session_cache.protection_policy import (
     DEFAULT_MAX_PROTECTED_FRACTION,
     DEFAULT_PROTECT_FROM_TURN,
@@ -47,6 +48,10 @@ _OPTIONS = (
 )
 
 
+#: What each option holds when not given (its normalized default).
+_DEFAULTS = {field: normalize(None) for field, _, normalize, _, _ in _OPTIONS}
+
+
 def _parser_type(normalize):
     def parse(text):
         try:
@@ -75,6 +80,7 @@ def _wrap_from_cli_args(orig):
         server_args = orig(cls, args)
         for field, value in values.items():
             object.__setattr__(server_args, field, value)
+        drop_default_options(server_args, _DEFAULTS)
         return server_args
 
     return from_cli_args
@@ -86,6 +92,7 @@ def _wrap_init(orig):
             # Construction-time value: bypass the strict-mutation guard.
             object.__setattr__(self, field, normalize(kwargs.pop(field, None)))
         orig(self, *args, **kwargs)
+        drop_default_options(self, _DEFAULTS)
 
     return __init__
 

@@ -25,6 +25,7 @@ import math
 from typing import Any, Optional
 
 from sglang_session_cache.patches._wrap import PATCHED_FLAG, wrap_class_method
+from sglang_session_cache.server_args_fields import drop_default_options
 
 logger = logging.getLogger("sglang.srt.mem_cache.unified_radix_cache")
 _args_logger = logging.getLogger("sglang.srt.server_args")
@@ -155,6 +156,7 @@ def _wrap_from_cli_args(orig):
         ttl = normalize_ttl(getattr(args, TTL_FIELD, None))
         server_args = orig(cls, args)
         _set_ttl(server_args, ttl)
+        drop_default_options(server_args, {TTL_FIELD: None})
         return server_args
 
     return from_cli_args
@@ -168,6 +170,7 @@ def _wrap_init(orig):
         ttl = normalize_ttl(kwargs.pop(TTL_FIELD, None))
         _set_ttl(self, ttl)
         orig(self, *args, **kwargs)
+        drop_default_options(self, {TTL_FIELD: None})
 
     return __init__
 

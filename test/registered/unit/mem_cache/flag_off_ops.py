@@ -209,8 +209,26 @@ def trace_pool_sizes() -> list:
     return out
 
 
+def trace_server_args() -> list:
+    """``vars(ServerArgs)`` -- what ``/get_server_info`` returns for each
+    scheduler -- built as a keyword call and from a stock command line."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    built = {
+        "keywords": ServerArgs(model_path="dummy", mem_fraction_static=0.5),
+        "cli": ServerArgs.from_cli_args(parser.parse_args(
+            ["--model-path", "dummy", "--served-model-name", "m", "--mem-fraction-static", "0.5"])),
+    }
+    return [[how, sorted((k, repr(v)) for k, v in vars(args).items())]
+            for how, args in built.items()]
+
+
 HARNESS_SHAPES = ("full", "full_paged", "full_swa", "full_mamba", "full_swa_mamba")
-SHAPES = HARNESS_SHAPES + ("extra_buffer", "pool_sizes")
+SHAPES = HARNESS_SHAPES + ("extra_buffer", "pool_sizes", "server_args")
 
 
 def trace(shape: str) -> list:
@@ -218,6 +236,8 @@ def trace(shape: str) -> list:
         return trace_extra_buffer()
     if shape == "pool_sizes":
         return trace_pool_sizes()
+    if shape == "server_args":
+        return trace_server_args()
     return trace_harness(shape)
 
 
