@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -37,15 +38,30 @@ class CloseResult:
     error: str = ""
 
 
-def router_workers(router_url: str, timeout: float = DEFAULT_TIMEOUT_S) -> list:
-    """Worker URLs the router knows, from its ``GET /workers`` listing."""
+# smg --dp-aware lists a worker once per DP rank, as ``<url>@<rank>``; the
+# server behind them is one (its /close_session reaches every rank).
+_DP_RANK_SUFFIX = re.compile(r"@\d+$")
+
+
+def router_workers(router_url: str, timeout: float = DEFAULT_TIMEOUT_S,
+                   skipped: Optional[list] = None) -> list:
+    """HTTP worker URLs the router knows, from its ``GET /workers`` listing
+    (DP-rank entries folded into their server).  Workers it cannot reach over
+    HTTP (gRPC) are appended to ``skipped`` when given."""
     with urllib.request.urlopen(router_url.rstrip("/") + "/workers", timeout=timeout) as r:
         doc = json.loads(r.read().decode("utf-8"))
     items = doc.get("workers", doc) if isinstance(doc, dict) else doc
     urls = []
     for item in items if isinstance(items, list) else []:
         url = item.get("url") if isinstance(item, dict) else item
-        if isinstance(url, str) and url.startswith(("http://", "https://")) and url not in urls:
+        if not isinstance(url, str):
+            continue
+        if not url.startswith(("http://", "https://")):
+            if skipped is not None and url not in skipped:
+                skipped.append(url)
+            continue
+        url = _DP_RANK_SUFFIX.sub("", url)
+        if url not in urls:
             urls.append(url)
     if not urls:
         raise ValueError(f"{router_url}/workers lists no HTTP workers: {doc!r}")
@@ -62,8 +78,8 @@ def _close_one(worker: str, session_id: str, timeout: float) -> CloseResult:
             return CloseResult(worker, 200 <= r.status < 300, r.status)
     except urllib.error.HTTPError as e:
         return CloseResult(worker, False, e.code, e.read().decode("utf-8", "replace")[:200])
-    except (urllib.error.URLError, OSError) as e:
-        return CloseResult(worker, False, None, str(e))
+    except Exception as e:  # noqa: BLE001 - unreachable, bad URL, broken reply: this worker failed
+        return CloseResult(worker, False, None, f"{type(e).__name__}: {e}")
 
 
 def close_everywhere(session_id: str, workers: Iterable[str],
@@ -95,7 +111,16 @@ def main(argv: Optional[list] = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    workers = args.workers or router_workers(args.router, args.timeout)
+    skipped: list = []
+    try:
+        workers = args.workers or router_workers(args.router, args.timeout, skipped)
+    except Exception as exc:  # noqa: BLE001 - the router's listing: report, no traceback
+        print(f"error: cannot list the workers of {args.router}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 2
+    for url in skipped:
+        print(f"warning: {url} is not an HTTP worker; its sessions are not closed here "
+              "(they end by the session TTL)", file=sys.stderr)
     failed = 0
     for sid in args.session_id:
         for r in close_everywhere(sid, workers, args.timeout):

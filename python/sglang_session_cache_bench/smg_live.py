@@ -86,7 +86,9 @@ class Router:
                     "--policy", policy, "--worker-urls", *workers,
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         if policy == "manual":
-            self.cmd += ["--assignment-mode", "min_load"]
+            # Pinned whatever the load: smg's default overload veto would move
+            # a session off a busy worker (see session_scale_out.mdx).
+            self.cmd += ["--assignment-mode", "min_load", "--disable-worker-overload-protection"]
         self.proc: Optional[subprocess.Popen] = None
 
     @property

@@ -112,3 +112,28 @@ def test_cli(endpoints, capsys):
     assert out.count("\tok\t") == 2 and out.count("FAILED") == 2
     assert [p[1]["session_id"] for p in w1.posts] == ["s1", "s2"]
     assert main(["--worker", w1.url, "s3"]) == 0
+
+
+def test_dp_aware_router_listing_folds_rank_entries(endpoints, capsys):
+    # smg --dp-aware lists each worker once per DP rank as "<url>@<rank>"
+    # (measured on smg 1.13.0); the close goes to the server once.
+    w1, w2 = endpoints(), endpoints()
+    router = endpoints(listing={"workers": [
+        {"url": f"{w1.url}@0"}, {"url": f"{w1.url}@1"}, {"url": f"{w2.url}@0"},
+        {"url": "grpc://10.0.0.9:50051"}]})
+    skipped = []
+    assert router_workers(router.url, skipped=skipped) == [w1.url, w2.url]
+    assert skipped == ["grpc://10.0.0.9:50051"]
+    assert main(["--router", router.url, "s"]) == 0
+    assert w1.posts == w2.posts == [("/close_session", {"session_id": "s"})]
+    assert "grpc://10.0.0.9:50051 is not an HTTP worker" in capsys.readouterr().err
+
+
+def test_any_worker_error_is_a_failed_result_and_a_bad_router_no_traceback(endpoints, capsys):
+    good = endpoints()
+    # A malformed URL raises ValueError / InvalidURL inside urllib, not URLError.
+    results = close_everywhere("s", [good.url, "localhost:1", "http://127.0.0.1:port"], timeout=3)
+    assert [r.ok for r in results] == [True, False, False]
+    assert all(r.error for r in results[1:])
+    assert main(["--router", "http://127.0.0.1:9", "--timeout", "3", "s"]) == 2
+    assert "cannot list the workers" in capsys.readouterr().err
