@@ -20,7 +20,15 @@ one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
   are -- without this floor one busy session would bounce between ranks);
 * a binding ends on ``close(session)``, when no request of the session was
   routed for ``ttl`` seconds (the session cache's TTL), or when more than
-  ``max_bindings`` sessions are bound (least recently routed first).
+  ``max_bindings`` sessions are bound (least recently routed first);
+* a **kept** binding (``keep=True``: a classic ``/open_session`` session, whose
+  turns build on state only the rank that served it holds -- elsewhere the
+  next turn fails or loses its context) is never moved by the overload guard
+  and never expires by the TTL; it ends on ``close`` or, only once no other
+  binding is left to drop, by the cap.  It still moves off a rank that is no
+  longer active (the state is gone with the rank);
+* an explicit rank (``follow``: a request's ``routed_dp_rank``) moves the
+  binding there, since that turn's KV lands there.
 
 The policy is pure bookkeeping: it does not send anything and does not read a
 clock of its own (``now`` is passed in), so the benchmark drives the very same
@@ -44,6 +52,7 @@ class AffinityCounters:
     followed: int = 0  # requests that went to their bound rank
     rebound_overload: int = 0  # overload guard moved the session
     rebound_inactive: int = 0  # bound rank no longer active
+    rebound_explicit: int = 0  # a request's routed_dp_rank moved the session
     closed: int = 0  # bindings ended by /close_session
     expired: int = 0  # bindings ended by the TTL
     evicted: int = 0  # bindings dropped by the size cap (LRU)
@@ -81,15 +90,46 @@ class SessionAffinity:
         self.ttl = ttl
         self.min_load = min_load
         self.counters = AffinityCounters()
+        # Expiring bindings and kept ones, each ordered by last use.
         self._bindings: "OrderedDict[str, _Binding]" = OrderedDict()
+        self._kept: "OrderedDict[str, _Binding]" = OrderedDict()
         self._bound_per_rank: dict = {}  # rank -> bindings, the tie-breaker
 
     def __len__(self) -> int:
-        return len(self._bindings)
+        return len(self._bindings) + len(self._kept)
 
     def rank_of(self, session_id: str) -> Optional[int]:
-        b = self._bindings.get(session_id)
+        b = self._bindings.get(session_id) or self._kept.get(session_id)
         return None if b is None else b.rank
+
+    def is_kept(self, session_id: str) -> bool:
+        return session_id in self._kept
+
+    def _lookup(self, session_id: str, keep: bool) -> Optional[_Binding]:
+        """The binding of ``session_id``, moved to the end of its table (and
+        into the kept table when ``keep``)."""
+        b = self._kept.get(session_id)
+        if b is not None:
+            self._kept.move_to_end(session_id)
+            return b
+        b = self._bindings.get(session_id)
+        if b is not None:
+            if keep:
+                del self._bindings[session_id]
+                self._kept[session_id] = b
+            else:
+                self._bindings.move_to_end(session_id)
+        return b
+
+    def _add(self, session_id: str, rank: int, now: float, keep: bool) -> None:
+        (self._kept if keep else self._bindings)[session_id] = _Binding(rank, now)
+        self._count(rank, +1)
+        if len(self) > self.max_bindings:
+            # Least recently routed first; kept bindings only when no other is left.
+            table = self._bindings if self._bindings else self._kept
+            _, old = table.popitem(last=False)
+            self._count(old.rank, -1)
+            self.counters.evicted += 1
 
     def route(
         self,
@@ -98,40 +138,51 @@ class SessionAffinity:
         loads: Sequence[float],
         now: float,
         cost: float = 0,
+        keep: bool = False,
     ) -> int:
         """The rank for a request of ``session_id``.
 
         ``active``: ranks that may take requests (non-empty); ``loads[r]``:
         rank ``r``'s load (any number; means are taken over ``active``); ``cost``: what a move would recompute (the request's
-        prompt tokens, in the units of ``loads``).  Ties go to the lowest
-        rank, so the choice is a pure function of the inputs.
+        prompt tokens, in the units of ``loads``); ``keep``: the binding is
+        kept (see the module doc).  Ties go to the lowest rank, so the choice
+        is a pure function of the inputs.
         """
         if not active:
             raise RuntimeError("No active DP ranks to route a session to.")
         self.expire(now)
-        b = self._bindings.get(session_id)
+        b = self._lookup(session_id, keep)
         c = self.counters
         if b is None:
             rank = self._least_loaded(active, loads)
             c.bound += 1
-            self._bindings[session_id] = _Binding(rank, now)
-            self._count(rank, +1)
-            if len(self._bindings) > self.max_bindings:
-                _, old = self._bindings.popitem(last=False)
-                self._count(old.rank, -1)
-                c.evicted += 1
+            self._add(session_id, rank, now, keep)
             return rank
         if b.rank not in active:
             self._move(b, self._least_loaded(active, loads))
             c.rebound_inactive += 1
-        elif self._overloaded(b.rank, active, loads, cost):
+        elif not self.is_kept(session_id) and self._overloaded(b.rank, active, loads, cost):
             self._move(b, self._least_loaded(active, loads))
             c.rebound_overload += 1
         else:
             c.followed += 1
         b.last = now
-        self._bindings.move_to_end(session_id)
         return b.rank
+
+    def follow(self, session_id: str, rank: int, now: float, keep: bool = False) -> None:
+        """A request of ``session_id`` went to ``rank`` by the client's own
+        choice (``routed_dp_rank``): its KV is there now, so the binding
+        follows."""
+        self.expire(now)
+        b = self._lookup(session_id, keep)
+        if b is None:
+            self.counters.bound += 1
+            self._add(session_id, rank, now, keep)
+            return
+        if b.rank != rank:
+            self._move(b, rank)
+            self.counters.rebound_explicit += 1
+        b.last = now
 
     def _least_loaded(self, active: Sequence[int], loads: Sequence[float]) -> int:
         per_rank = self._bound_per_rank
@@ -167,7 +218,7 @@ class SessionAffinity:
 
     def close(self, session_id: str) -> bool:
         """End the binding of a closed session; ``False`` if it had none."""
-        b = self._bindings.pop(session_id, None)
+        b = self._bindings.pop(session_id, None) or self._kept.pop(session_id, None)
         if b is None:
             return False
         self._count(b.rank, -1)
@@ -175,7 +226,8 @@ class SessionAffinity:
         return True
 
     def expire(self, now: float) -> int:
-        """Drop bindings idle for longer than the TTL; returns how many."""
+        """Drop bindings idle for longer than the TTL (kept ones stay);
+        returns how many."""
         if self.ttl is None:
             return 0
         n = 0

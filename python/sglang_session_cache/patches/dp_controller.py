@@ -37,11 +37,20 @@ _AFFINITY_METHODS = ("round_robin", "total_requests", "total_tokens")
 def session_key(req) -> Optional[str]:
     """The session a generate request belongs to: the top-level ``session_id``
     of the session cache, else a classic session's ``session_params.id``."""
+    return session_of(req)[0]
+
+
+def session_of(req) -> tuple:
+    """``(session, classic)``: ``session_key(req)``, and whether it is a
+    classic session's (``session_params``): its turns build on state only the
+    rank that served it holds, so its binding is kept (dp_affinity.py)."""
     sid = getattr(req, "session_id", None)
+    classic = False
     if sid is None:
         params = getattr(req, "session_params", None)
         sid = getattr(params, "id", None) if params is not None else None
-    return sid if isinstance(sid, str) else None
+        classic = sid is not None
+    return (sid, classic) if isinstance(sid, str) else (None, False)
 
 
 def affinity_wanted(server_args, method: str) -> bool:
@@ -87,11 +96,20 @@ class SessionDPRouter:
     # ---- dispatch -------------------------------------------------------------
 
     def dispatch(self, req) -> None:
-        sid = session_key(req)
-        if sid is None or getattr(req, "routed_dp_rank", None) is not None:
-            return self.fallback(req)  # explicit routed_dp_rank wins; no session
+        sid, classic = session_of(req)
+        if sid is None:
+            return self.fallback(req)
+        if getattr(req, "routed_dp_rank", None) is not None:
+            # An explicit routed_dp_rank wins (stock checks and sends it); the
+            # binding follows, as the turn's KV lands there.
+            self.fallback(req)
+            try:
+                self.affinity.follow(sid, req.routed_dp_rank, self.clock(), keep=classic)
+            except Exception:
+                self._log_failure("routing")
+            return
         try:
-            rank = self._route(sid, req)
+            rank = self._route(sid, req, classic)
         except Exception:
             # Never take the controller down: route like stock SGLang instead.
             self._log_failure("routing")
@@ -104,20 +122,22 @@ class SessionDPRouter:
         except Exception:  # metrics/logging must not affect routing
             self._log_failure("metrics")
 
-    def _route(self, sid: str, req) -> int:
+    def _route(self, sid: str, req, classic: bool = False) -> int:
         ctrl = self.controller
         if not ctrl.refresh_load_budget_on_dispatch:
             ctrl.refresh_load_budget()  # round_robin keeps no load view of its own
         budget = ctrl.dp_budget
+        loads = budget.total_tokens if self.by_tokens else budget.total_requests
+        # Ranks the load budget covers (elastic slots past --dp-size have no
+        # entry there; stock's load-based methods never pick them either).
         active = [
             r for r in ctrl._active_workers
-            if ctrl.status[r] and ctrl.workers[r] is not None
+            if r < len(loads) and ctrl.status[r] and ctrl.workers[r] is not None
         ]
         tokens = len(req.input_ids) if req.input_ids is not None else 0
-        loads = budget.total_tokens if self.by_tokens else budget.total_requests
         now = self.clock()
         rank = self.affinity.route(
-            sid, active, loads, now, cost=tokens if self.by_tokens else 1)
+            sid, active, loads, now, cost=tokens if self.by_tokens else 1, keep=classic)
         # Same speculative increment as DPBudget.dispatch, until the next snapshot.
         budget.total_requests[rank] += 1
         budget.total_tokens[rank] += tokens
@@ -144,16 +164,17 @@ class SessionDPRouter:
         if self._last_log is not None and now - self._last_log < LOG_INTERVAL_S:
             return
         delta = {k: counters[k] - self._logged[k] for k in counters}
-        moved = delta["rebound_overload"] + delta["rebound_inactive"]
+        moved = delta["rebound_overload"] + delta["rebound_inactive"] + delta["rebound_explicit"]
         ended = delta["expired"] + delta["evicted"]
         if self._last_log is None or moved or ended:
             logger.info(
                 "Session DP affinity: %d sessions bound; since last report: %d new, "
                 "%d rebound (overloaded rank), %d rebound (inactive rank), "
+                "%d rebound (explicit routed_dp_rank), "
                 "%d closed, %d expired (TTL), %d dropped (cap).",
                 len(self.affinity), delta["bound"], delta["rebound_overload"],
-                delta["rebound_inactive"], delta["closed"], delta["expired"],
-                delta["evicted"],
+                delta["rebound_inactive"], delta["rebound_explicit"], delta["closed"],
+                delta["expired"], delta["evicted"],
             )
             self._logged = counters
             self._last_log = now
@@ -170,6 +191,7 @@ class SessionDPRouter:
 _COUNTER_SERIES = (
     ("rebound_overload", "overload"),
     ("rebound_inactive", "inactive"),
+    ("rebound_explicit", "explicit"),
 )
 
 

@@ -146,6 +146,48 @@ def test_cap_drops_least_recently_routed():
     assert aff.counters.evicted == 1
 
 
+def test_kept_bindings_never_move_for_load_nor_expire():
+    aff = SessionAffinity(overload_factor=1.5, ttl=10)
+    assert aff.route("classic", [0, 1], [0, 5], now=0, keep=True) == 0
+    assert aff.route("plain", [0, 1], [5, 0], now=0) == 1
+    # Rank 0 overloaded: the plain session would move, the kept one stays.
+    assert aff.route("classic", [0, 1], [100, 1], now=5) == 0
+    # Idle past the TTL: only the plain binding expires.
+    aff.expire(now=100)
+    assert aff.rank_of("plain") is None and aff.rank_of("classic") == 0
+    assert aff.counters.expired == 1 and aff.counters.rebound_overload == 0
+    # Its rank gone: the state went with it, the session moves.
+    assert aff.route("classic", [1], [0, 0], now=101, keep=True) == 1
+    assert aff.counters.rebound_inactive == 1
+    assert aff.close("classic") and len(aff) == 0 and aff.bound_per_rank() == {}
+
+
+def test_the_cap_drops_kept_bindings_last():
+    aff = SessionAffinity(max_bindings=2)
+    aff.route("k", [0, 1], [0, 0], now=0, keep=True)
+    aff.route("p", [0, 1], [0, 0], now=1)
+    aff.route("q", [0, 1], [0, 0], now=2)  # over the cap: "p" goes, not "k"
+    assert aff.rank_of("k") is not None and aff.rank_of("p") is None
+    assert aff.counters.evicted == 1 and len(aff) == 2
+    # A plain binding that turns classic becomes kept.
+    aff.route("q", [0, 1], [0, 0], now=3, keep=True)
+    assert aff.is_kept("q")
+    aff.route("r", [0, 1], [0, 0], now=4, keep=True)  # only kept ones left: oldest goes
+    assert aff.rank_of("k") is None and len(aff) == 2
+    assert sum(aff.bound_per_rank().values()) == 2
+
+
+def test_an_explicit_rank_moves_the_binding():
+    aff = SessionAffinity()
+    assert aff.route("a", [0, 1], [0, 0], now=0) == 0
+    aff.follow("a", 1, now=1)
+    assert aff.rank_of("a") == 1 and aff.counters.rebound_explicit == 1
+    assert aff.route("a", [0, 1], [0, 0], now=2) == 1
+    aff.follow("new", 0, now=3, keep=True)  # a first turn routed explicitly binds
+    assert aff.rank_of("new") == 0 and aff.is_kept("new") and aff.counters.bound == 2
+    assert aff.bound_per_rank() == {0: 1, 1: 1}
+
+
 def test_route_without_active_ranks_raises():
     with pytest.raises(RuntimeError):
         SessionAffinity().route("a", [], [], now=0)
@@ -416,8 +458,11 @@ def test_real_controller_session_affinity(affinity_controller):
     assert [h.generate("b") for _ in range(3)] == [b] * 3
     # Sessions do not disturb the round-robin counter of session-less traffic.
     assert [h.generate() for _ in range(2)] == [0, 1]
-    # An explicit routed_dp_rank wins, without moving the binding.
+    # An explicit routed_dp_rank wins, and the binding follows it (that
+    # turn's KV is there now).
     assert h.generate("a", routed_dp_rank=b) == b
+    assert h.generate("a") == b
+    assert h.generate("a", routed_dp_rank=a) == a
     assert h.generate("a") == a
     # Classic sessions (session_params.id) stick as well.
     c = h.generate(classic="classic-1")
@@ -443,6 +488,14 @@ def test_real_controller_close_and_overload(affinity_controller):
     h.set_loads(loads)
     assert h.generate("s") == s
     assert h.generate("s") == s
+    # A classic session is never moved by the guard: its next turn needs the
+    # state only its rank holds.
+    h.set_loads([1000, 1000])
+    c = h.generate(classic="classic-2")
+    loads = [0, 0]
+    loads[c], loads[1 - c] = 50_000, 800
+    h.set_loads(loads)
+    assert [h.generate(classic="classic-2") for _ in range(2)] == [c, c]
 
 
 def test_real_controller_affinity_disabled_is_stock_round_robin(stock_controller):
