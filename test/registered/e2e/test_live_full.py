@@ -226,6 +226,26 @@ def test_unknown_and_double_close_are_harmless(servers):
     assert requests.get(url + "/health", timeout=30).status_code == 200
 
 
+def test_a_request_finishing_after_its_close_registers_nothing(servers):
+    # Closed while its request runs: the finish registers no reference (the
+    # close dropped them; a late one would re-protect a closed session), and
+    # the client gets its full answer.
+    url = servers["on"].url
+    name = "sglang:session_radix_late_finish_skipped_total"
+    before = max(metric_values(url, name) or [0.0])
+    body = {"input_ids": [6] + tokens(random.Random(5), 30), "session_id": "late", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 300, "ignore_eos": True}}
+    with requests.post(url + "/generate", json=body, stream=True, timeout=300) as r:
+        events = (line for line in r.iter_lines() if line.startswith(b"data: "))
+        next(events)  # a token streamed: the request is in flight
+        assert close(url, "late").status_code == 200
+        rest = list(events)
+    assert rest[-1] == b"data: [DONE]" and b'"error"' not in b"".join(rest)
+    generate(url, [8, 8, 8, 8])  # its prefill publishes the session metrics
+    assert max(metric_values(url, name)) == before + 1
+    assert close(url, "late").status_code == 200  # and closing again is harmless
+
+
 def test_live_bench_replays_a_trace_against_the_server(servers, tmp_path, capsys):
     from sglang_session_cache_bench.live_bench import main
 
