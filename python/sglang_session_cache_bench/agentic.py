@@ -85,7 +85,6 @@ from sglang_session_cache_bench.trace import (
     TraceError,
     generate_trace,
     ideal_stats,
-    read_jsonl,
     write_jsonl,
 )
 from sglang_session_cache.protection_policy import (
@@ -97,11 +96,7 @@ from sglang_session_cache.protection_policy import (
 )
 from sglang_session_cache.session_ttl import SessionTTLError, normalize_ttl
 from sglang_session_cache_bench import trace_clock
-from sglang_session_cache_bench.mooncake import (
-    DEFAULT_BLOCK_SIZE,
-    detect_format,
-    read_mooncake,
-)
+from sglang_session_cache_bench.mooncake import add_trace_format_options, read_trace
 from sglang_session_cache_bench.workload_modes import (
     CLOSE_CHOICES,
     DEFAULT_MODE_TTL,
@@ -254,17 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "one-shot traffic shares prefixes (default 0: unique bodies)")
     w.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay a recorded trace instead of generating one")
-    w.add_argument("--trace-format", choices=("auto", "jsonl", "mooncake"), default="auto",
-                   help="format of --trace: this benchmark's JSONL or Mooncake/aiperf "
-                        "(timestamp, input_length, output_length, hash_ids); default: "
-                        "detected from the first line")
-    w.add_argument("--block-size", type=positive_int, default=None, metavar="TOKENS",
-                   help=f"Mooncake: token ids per hash id in the replay (default "
-                        f"{DEFAULT_BLOCK_SIZE}); smaller scales the whole trace down "
-                        f"for CPU runs")
-    w.add_argument("--trace-block-size", type=positive_int, default=None, metavar="TOKENS",
-                   help=f"Mooncake: tokens per hash id in the recorded trace "
-                        f"(default {DEFAULT_BLOCK_SIZE})")
+    add_trace_format_options(w)
     w.add_argument("--save-trace", metavar="FILE.jsonl",
                    help="also write the replayed trace as JSONL")
     c = p.add_argument_group(
@@ -912,17 +897,8 @@ def write_plot(results: dict, path: str) -> None:
 def load_trace(args) -> Trace:
     """The trace as recorded or generated (no tagging/closing policy yet)."""
     if args.trace:
-        fmt = args.trace_format
-        if fmt == "auto":
-            fmt = detect_format(args.trace)
-        if fmt == "mooncake":
-            return read_mooncake(args.trace,
-                                 block_size=args.block_size or DEFAULT_BLOCK_SIZE,
-                                 trace_block_size=args.trace_block_size or DEFAULT_BLOCK_SIZE)
-        if args.block_size or args.trace_block_size:
-            raise TraceError("--block-size and --trace-block-size apply to Mooncake "
-                             "traces only")
-        return read_jsonl(args.trace)
+        return read_trace(args.trace, args.trace_format, args.block_size,
+                          args.trace_block_size)
     try:
         return generate_trace(_generator_config(args))
     except ValueError as exc:

@@ -51,7 +51,8 @@ from typing import Optional
 
 from sglang_session_cache.dp_affinity import DEFAULT_OVERLOAD_FACTOR, SessionAffinity
 from sglang_session_cache_bench import agentic
-from sglang_session_cache_bench.trace import Trace, TraceClose, ideal_stats
+from sglang_session_cache_bench.mooncake import add_trace_format_options
+from sglang_session_cache_bench.trace import Trace, TraceClose, TraceError, ideal_stats
 from sglang_session_cache_bench.trace_clock import TraceClock, attach
 
 METHODS = ("round_robin", "total_tokens", "affinity")
@@ -352,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests counted as in flight for the load signal (default 16)")
     p.add_argument("--overload-factor", type=float, default=DEFAULT_OVERLOAD_FACTOR)
     p.add_argument("--trace", help="JSONL or Mooncake trace (default: generated)")
+    add_trace_format_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small generated trace")
     p.add_argument("--out", default="bench_out")
@@ -361,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _trace(args) -> Trace:
     ns = agentic.build_parser().parse_args(
-        (["--trace", args.trace] if args.trace else [])
+        (["--trace", args.trace, "--trace-format", args.trace_format] if args.trace else [])
+        + (["--block-size", str(args.block_size)] if args.block_size else [])
+        + (["--trace-block-size", str(args.trace_block_size)] if args.trace_block_size else [])
         + (["--quick"] if args.quick else []) + ["--seed", str(args.seed)])
     return agentic.load_trace(ns)
 
@@ -385,7 +389,11 @@ def main(argv: Optional[list] = None) -> int:
             raise SystemExit(f"unknown method {m!r}; choose from {METHODS}")
     if not ranks or min(ranks) < 1:
         raise SystemExit("--ranks: positive integers")
-    trace = _trace(args)
+    try:
+        trace = _trace(args)
+    except TraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     pool = resolve_pool(args.pool, trace, max(ranks))
     results = run(trace, args.shape, pool, ranks, methods, args.inflight,
                   args.overload_factor)

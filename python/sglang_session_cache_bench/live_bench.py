@@ -11,8 +11,12 @@ in order (every turn resends the trace's whole conversation, so reuse comes
 from the prefix cache) and closing the session when the trace does; one-shot
 requests run on their own thread in trace order. Every request streams
 (``"stream": true``, greedy, ``ignore_eos``, ``max_new_tokens`` = the trace's
-output length); token ids are taken modulo ``--vocab`` so any trace fits a tiny
-model (prefix sharing is kept).
+output length); token ids at or above ``--vocab`` are mapped into it by a
+fixed mixing function (``model_token``) so any trace fits a tiny model:
+equal ids stay equal, so prefix sharing is kept, and distinct blocks do not
+collide as they would modulo the vocabulary (a Mooncake trace's dense block
+ids repeat every ``vocab`` ids).  ``--trace`` takes this benchmark's JSONL or
+a Mooncake/aiperf trace (``--trace-format``, ``--block-size``).
 
 Reported per server (shape = FULL or FULL+SWA, session cache off/on, read from
 ``/get_server_info``):
@@ -40,13 +44,14 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
+from sglang_session_cache_bench.mooncake import add_trace_format_options, read_trace
 from sglang_session_cache_bench.trace import (
     GeneratorConfig,
     Trace,
     TraceClose,
+    TraceError,
     TraceRequest,
     generate_trace,
-    read_jsonl,
 )
 
 DEFAULT_VOCAB = 500  # below the tiny models' 512
@@ -70,9 +75,24 @@ def _pct(values: List[float], q: float) -> Optional[float]:
     return vals[k]
 
 
+#: Odd 64-bit multiplier (the golden ratio's fraction): neighbouring ids land
+#: far apart after the shift.
+_MIX = 0x9E3779B97F4A7C15
+
+
+def model_token(t: int, vocab: int) -> int:
+    """Trace token id ``t`` as a model token id below ``vocab``: itself when
+    it fits, else a fixed pseudo-random id (never ``t % vocab``: consecutive
+    ids would repeat every ``vocab`` ids and make unrelated blocks equal)."""
+    if t < vocab:
+        return t
+    return (((t * _MIX) & 0xFFFFFFFFFFFFFFFF) >> 24) % vocab
+
+
 def build_trace(args) -> Trace:
     if args.trace:
-        return read_jsonl(args.trace)
+        return read_trace(args.trace, args.trace_format, args.block_size,
+                          args.trace_block_size)
     cfg = GeneratorConfig(**dict(LIVE_WORKLOAD, seed=args.seed, vocab=args.vocab))
     if args.sessions:
         cfg.sessions = args.sessions
@@ -116,7 +136,7 @@ class Replay:
         import requests
 
         body = {
-            "input_ids": [t % self.vocab for t in ev.prompt],
+            "input_ids": [model_token(t, self.vocab) for t in ev.prompt],
             "sampling_params": {"temperature": 0, "ignore_eos": True,
                                 "max_new_tokens": max(1, ev.output_len)},
             "stream": True,
@@ -286,11 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: FULL and/or FULL+SWA (default both)")
     p.add_argument("--shape", help="with --url: label for the rows (default from the model)")
     p.add_argument("--pool", type=int, default=DEFAULT_POOL, help="with --launch: --max-total-tokens")
-    p.add_argument("--trace", metavar="FILE.jsonl", help="replay this JSONL trace instead")
+    p.add_argument("--trace", metavar="FILE.jsonl",
+                   help="replay this trace (JSONL or Mooncake) instead")
+    add_trace_format_options(p)
     p.add_argument("--sessions", type=int, default=None, help="generated trace: sessions in all")
     p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB, help="token ids are taken modulo this")
+    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
+                   help="model vocabulary: trace ids at or above it are mapped into it")
     p.add_argument("--out", default=None, metavar="FILE.json", help="write the results as JSON")
     return p
 
@@ -301,7 +324,11 @@ def main(argv: Optional[list] = None) -> int:
     if bad:
         print(f"error: unknown shape(s) {bad}; use FULL and/or FULL+SWA", file=sys.stderr)
         return 2
-    trace = build_trace(args)
+    try:
+        trace = build_trace(args)
+    except TraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     s = trace.summary()
     _log(f"[live] trace: {s['requests']} requests ({s['session_requests']} session turns, "
          f"{s['oneshot_requests']} one-shot), {s['prompt_tokens']:,} prompt tokens")

@@ -39,14 +39,18 @@ Requests replay in timestamp order (ties in file order); their times drive
 the session TTL. Without ``session_id``, sessions are inferred: a request
 whose ``hash_ids`` extend an earlier request's *full* list -- one that is
 longer than a single leading block, so that sharing only a system prompt
-block does not make a conversation -- is the next turn of the latest such
-conversation. Conversations with one request are one-shot traffic
-(untagged); the others get ids ``conv-<n>``. By default a session is closed
+block does not make a conversation -- is the next turn of that request's
+conversation (the longest such list wins; extending an older turn than the
+conversation's latest is a branch of it; an identical list belongs to its
+latest request). Conversations with one request are one-shot traffic
+(untagged); the others get ids ``conv-<n>`` (``conv-<n>-<k>`` where a line
+already uses that id). By default a session is closed
 right after its last turn (``workload_modes`` can drop the closes).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -59,6 +63,7 @@ from sglang_session_cache_bench.trace import (
     TraceRequest,
     _check_session_id,
     _type_name,
+    read_jsonl,
 )
 
 DEFAULT_BLOCK_SIZE = 512
@@ -152,7 +157,7 @@ def _parse_line(obj, lineno: int, trace_block_size: int, last_time: dict) -> _Li
 
 def _read_lines(path: str, trace_block_size: int) -> list:
     try:
-        fh = open(path, "r", encoding="utf-8")
+        fh = open(path, "r", encoding="utf-8-sig")  # -sig: a leading BOM is skipped
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
     lines: list = []
@@ -204,41 +209,35 @@ class _BlockTokens:
 
 
 class _TipTrie:
-    """Conversations by the hash-id list of their latest turn, for finding the
-    conversation a request continues in O(len(hash_ids))."""
+    """Every earlier request's hash-id list, each ending at the conversation
+    of the latest request with that list, for finding the conversation a
+    request continues in O(len(hash_ids))."""
 
     def __init__(self):
         self.root: dict = {}
-        self.tip_of: dict = {}  # id(node) -> conversation index
-        self.tip_node: dict = {}  # conversation index -> node
+        self.conv_at: dict = {}  # id(node) -> conversation of the list ending there
 
     def continues(self, hashes: tuple) -> Optional[int]:
-        """The conversation whose latest turn's full list ``hashes`` strictly
-        extends by more than ``MIN_SHARED_BLOCKS - 1`` shared blocks (the
-        deepest such tip)."""
+        """The conversation of the longest earlier full list that ``hashes``
+        strictly extends, sharing at least ``MIN_SHARED_BLOCKS`` blocks (an
+        older turn than a conversation's latest too: the request branches
+        off there)."""
         node, found = self.root, None
         for depth, h in enumerate(hashes[:-1], start=1):
             node = node.get(h)
             if node is None:
                 break
             if depth >= MIN_SHARED_BLOCKS:
-                conv = self.tip_of.get(id(node))
+                conv = self.conv_at.get(id(node))
                 if conv is not None:
                     found = conv
         return found
 
-    def set_tip(self, conv: int, hashes: tuple) -> None:
-        old = self.tip_node.pop(conv, None)
-        if old is not None and self.tip_of.get(id(old)) == conv:
-            del self.tip_of[id(old)]
+    def add(self, conv: int, hashes: tuple) -> None:
         node = self.root
         for h in hashes:
             node = node.setdefault(h, {})
-        prev = self.tip_of.get(id(node))
-        if prev is not None:  # an identical list: the latest conversation owns it
-            self.tip_node.pop(prev, None)
-        self.tip_of[id(node)] = conv
-        self.tip_node[conv] = node
+        self.conv_at[id(node)] = conv  # an identical list: the latest request owns it
 
 
 def _scaled(n: int, block_size: int, trace_block_size: int) -> int:
@@ -277,12 +276,20 @@ def read_mooncake(path: str, block_size: int = DEFAULT_BLOCK_SIZE,
                 conv = len(sizes)
                 sizes.append(0)
             sizes[conv] += 1
-            trie.set_tip(conv, ln.hash_ids)
+            trie.add(conv, ln.hash_ids)
         conv_of.append(conv)
         requests.append(TraceRequest(prompt, output, session_id=ln.session_id,
                                      line=ln.lineno, time=ln.time))
-    # Name multi-request conversations; one-request ones stay one-shot.
-    names = {c: f"{INFERRED_SESSION_PREFIX}{c}" for c, n in enumerate(sizes) if n > 1}
+    # Name multi-request conversations; one-request ones stay one-shot.  A
+    # name a line gives as its own session_id is not reused.
+    names: dict = {}
+    for c, n in enumerate(sizes):
+        if n > 1:
+            name, k = f"{INFERRED_SESSION_PREFIX}{c}", 0
+            while name in explicit:
+                k += 1
+                name = f"{INFERRED_SESSION_PREFIX}{c}-{k}"
+            names[c] = name
     last: dict = {}
     turns: dict = {}
     for i, (req, conv) in enumerate(zip(requests, conv_of)):
@@ -309,7 +316,7 @@ def detect_format(path: str) -> str:
     """``"mooncake"`` or ``"jsonl"`` from the first non-blank line; raises
     ``TraceError`` when that line does not tell."""
     try:
-        fh = open(path, "r", encoding="utf-8")
+        fh = open(path, "r", encoding="utf-8-sig")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
     with fh:
@@ -323,10 +330,11 @@ def detect_format(path: str) -> str:
             raise TraceError(f"{path}: not UTF-8 text: {exc.reason}") from None
     try:
         obj = json.loads(raw)
-    except json.JSONDecodeError:
-        return "jsonl"  # the reader names the line and the JSON error
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path}: line {lineno}: invalid JSON: {exc.msg} "
+                         f"(column {exc.colno})") from None
     if not isinstance(obj, dict):
-        return "jsonl"
+        raise TraceError(f"{path}: line {lineno}: expected a JSON object, got {_type_name(obj)}")
     mooncake = {"hash_ids", "input_length"} & obj.keys()
     own = {"tokens", "text", "close"} & obj.keys()
     if mooncake and not own:
@@ -339,8 +347,58 @@ def detect_format(path: str) -> str:
         f"--trace-format mooncake or --trace-format jsonl")
 
 
+TRACE_FORMATS = ("auto", "jsonl", "mooncake")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def add_trace_format_options(parser) -> None:
+    """``--trace-format``, ``--block-size`` and ``--trace-block-size``: how a
+    ``--trace`` file is read (every benchmark that takes ``--trace``)."""
+    parser.add_argument(
+        "--trace-format", choices=TRACE_FORMATS, default="auto",
+        help="format of --trace: this benchmark's JSONL or Mooncake/aiperf "
+             "(timestamp, input_length, output_length, hash_ids); default: "
+             "detected from the first line")
+    parser.add_argument(
+        "--block-size", type=_positive_int, default=None, metavar="TOKENS",
+        help=f"Mooncake: token ids per hash id in the replay (default "
+             f"{DEFAULT_BLOCK_SIZE}); smaller scales the whole trace down for CPU runs")
+    parser.add_argument(
+        "--trace-block-size", type=_positive_int, default=None, metavar="TOKENS",
+        help=f"Mooncake: tokens per hash id in the recorded trace (default "
+             f"{DEFAULT_BLOCK_SIZE})")
+
+
+def read_trace(path: str, trace_format: str = "auto", block_size: Optional[int] = None,
+               trace_block_size: Optional[int] = None) -> Trace:
+    """A ``--trace`` file in ``trace_format`` (``auto``: ``detect_format``)."""
+    if trace_format not in TRACE_FORMATS:
+        raise TraceError(f"trace format must be one of {list(TRACE_FORMATS)}, "
+                         f"got {trace_format!r}")
+    fmt = detect_format(path) if trace_format == "auto" else trace_format
+    if fmt == "mooncake":
+        return read_mooncake(path, block_size=block_size or DEFAULT_BLOCK_SIZE,
+                             trace_block_size=trace_block_size or DEFAULT_BLOCK_SIZE)
+    if block_size or trace_block_size:
+        raise TraceError(f"{path} is a JSONL trace; --block-size and --trace-block-size "
+                         "apply to Mooncake traces only")
+    return read_jsonl(path)
+
+
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "TRACE_FORMATS",
+    "add_trace_format_options",
+    "read_trace",
     "INFERRED_SESSION_PREFIX",
     "detect_format",
     "read_mooncake",

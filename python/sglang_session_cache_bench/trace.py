@@ -360,7 +360,7 @@ def _event_time(obj: dict, where: str) -> Optional[float]:
 def read_jsonl(path: str) -> Trace:
     """Read a JSONL trace (format in the module docstring)."""
     try:
-        fh = open(path, "r", encoding="utf-8")
+        fh = open(path, "r", encoding="utf-8-sig")  # -sig: a leading BOM is skipped
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
     fresh = iter(range(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + (1 << 62)))

@@ -81,24 +81,24 @@ def test_mooncake_replays_in_timestamp_order_and_infers_sessions(tmp_path):
         _mc(200, 2000, [0, 1, 2, 6]),      # line 3: A turn 2
         _mc(100, 1800, [0, 3, 4, 5]),      # line 4: shares one block only: one-shot
         _mc(250, 900, [0, 3]),             # line 5: prefix of line 4, not an extension
-        _mc(400, 1600, [0, 1, 2, 9]),      # line 6: extends A's turn 1, not its tip
+        _mc(400, 1600, [0, 1, 2, 9]),      # line 6: extends A's turn 1: a branch of A
     ])
     t = read_mooncake(path, block_size=4)
     assert [r.line for r in t.requests] == [1, 4, 3, 5, 2, 6]
     by_line = {r.line: r for r in t.requests}
     sid = by_line[1].session_id
     assert sid is not None and sid.startswith("conv-")
-    assert [by_line[n].session_id for n in (1, 3, 2)] == [sid] * 3
-    assert [by_line[n].turn for n in (1, 3, 2)] == [1, 2, 3]
-    assert [by_line[n].close for n in (1, 3, 2)] == [False, False, True]
-    for n in (4, 5, 6):
+    assert [by_line[n].session_id for n in (1, 3, 2, 6)] == [sid] * 4
+    assert [by_line[n].turn for n in (1, 3, 2, 6)] == [1, 2, 3, 4]
+    assert [by_line[n].close for n in (1, 3, 2, 6)] == [False, False, False, True]
+    for n in (4, 5):
         assert by_line[n].session_id is None and by_line[n].is_oneshot, n
     # The next turn resends the previous turn's prompt (same block ids).
     assert by_line[3].prompt[: len(by_line[1].prompt)] == by_line[1].prompt
     s = t.summary()
     assert s["sessions"] == 1 and s["sessions_closed"] == 1
-    assert s["session_requests"] == 3 and s["oneshot_requests"] == 3
-    assert t.params["inferred_sessions"] == 1 and t.params["inferred_oneshots"] == 3
+    assert s["session_requests"] == 4 and s["oneshot_requests"] == 2
+    assert t.params["inferred_sessions"] == 1 and t.params["inferred_oneshots"] == 2
 
 
 def test_mooncake_inference_picks_the_latest_conversation_with_that_list(tmp_path):
@@ -221,6 +221,62 @@ def test_trace_format_is_detected_from_the_first_line(tmp_path, capsys):
     assert agentic.main(["--trace", own, "--block-size", "8",
                          "--out", str(tmp_path / "x")]) == 2
     assert "apply to Mooncake traces only" in capsys.readouterr().err
+    # A first line that is not a JSON object is named, not guessed at.
+    garbage = _write(tmp_path / "g.jsonl", ['{"timestamp": 0} trailing', _mc(5, 10, [1])])
+    with pytest.raises(TraceError, match="line 1: invalid JSON"):
+        detect_format(garbage)
+    assert agentic.main(["--trace", garbage, "--block-size", "8",
+                         "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: invalid JSON" in err and "Mooncake traces only" not in err
+    scalar = _write(tmp_path / "s.jsonl", ['"x"'])
+    with pytest.raises(TraceError, match="line 1: expected a JSON object, got string"):
+        detect_format(scalar)
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    mc = tmp_path / "bom.jsonl"
+    mc.write_bytes(b"\xef\xbb\xbf" + (json.dumps(_mc(0, 10, [1])) + "\n").encode())
+    assert detect_format(str(mc)) == "mooncake"
+    assert len(read_mooncake(str(mc), block_size=4).requests) == 1
+    own = tmp_path / "bom-own.jsonl"
+    own.write_bytes(b"\xef\xbb\xbf" + b'{"tokens": [1, 2], "output_len": 1}\n')
+    assert detect_format(str(own)) == "jsonl" and len(read_jsonl(str(own)).requests) == 1
+
+
+def test_inferred_session_names_never_take_a_given_id(tmp_path):
+    path = _write(tmp_path / "m.jsonl", [
+        _mc(0, 1100, [5, 6, 7]),
+        _mc(10, 1600, [5, 6, 7, 8]),  # inferred conversation 0
+        _mc(20, 600, [1, 2], session_id="conv-0"),  # a given id with that name
+        _mc(30, 1100, [1, 2, 3], session_id="conv-0"),
+    ])
+    t = read_mooncake(path, block_size=2)
+    inferred = {r.session_id for r in t.requests[:2]}
+    assert inferred == {"conv-0-1"}
+    assert [r.turn for r in t.requests] == [1, 2, 1, 2]
+    assert [r.session_id for r in t.requests[2:]] == ["conv-0", "conv-0"]
+
+
+def test_other_benchmarks_read_mooncake_traces(tmp_path, capsys):
+    from sglang_session_cache_bench import dp_scale, live_bench
+
+    path = _write(tmp_path / "m.jsonl", [_mc(i, 16, [i]) for i in range(130)])
+    ns = dp_scale.build_parser().parse_args(["--trace", path, "--block-size", "16",
+                                             "--trace-block-size", "16"])
+    assert dp_scale._trace(ns).params["block_size"] == 16
+    ns = live_bench.build_parser().parse_args(["--url", "http://127.0.0.1:9", "--trace", path,
+                                               "--block-size", "16", "--trace-block-size", "16"])
+    trace = live_bench.build_trace(ns)
+    # Distinct blocks stay distinct once mapped into a tiny vocabulary (taken
+    # modulo 500, blocks k and k + 125 were identical); equal ids stay equal.
+    mapped = [tuple(live_bench.model_token(t, 500) for t in r.prompt) for r in trace.requests]
+    assert len(set(mapped)) == 130 and all(t < 500 for p in mapped for t in p)
+    assert live_bench.model_token(7, 500) == 7
+    assert live_bench.model_token(10**12, 500) == live_bench.model_token(10**12, 500)
+    bad = _write(tmp_path / "bad.jsonl", [_mc(0, 10, [1]), {"timestamp": 1}])
+    assert live_bench.main(["--url", "http://127.0.0.1:9", "--trace", bad]) == 2
+    assert "line 2:" in capsys.readouterr().err
 
 
 def test_mooncake_trace_replays_on_the_real_cache(tmp_path, capsys):
