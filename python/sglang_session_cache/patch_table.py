@@ -88,10 +88,11 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="server_args.lift_priority_requirement",
         module="sglang.srt.server_args",
-        targets=("ServerArgs._handle_cache_compatibility",),
+        targets=("ServerArgs._handle_cache_compatibility", "ServerArgs.add_cli_args"),
         apply="sglang_session_cache.patches.server_wiring:apply_server_args",
         why="--enable-session-radix-cache no longer requires "
-        "--radix-eviction-policy priority; other checks unchanged. Fails fast "
+        "--radix-eviction-policy priority (its --help says what the flag does "
+        "now); other checks unchanged. Fails fast "
         "when the flag would have no effect (no unified tree for this model, "
         "see unified_tree_requirement.py).",
     ),

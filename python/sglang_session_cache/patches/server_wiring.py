@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from sglang_session_cache.patches._wrap import wrap_method
+from sglang_session_cache.patches._wrap import wrap_class_method, wrap_method
 
 # Log through the loggers of the modules we hook, so SGLang's logging config
 # (levels, rank prefixes) applies unchanged.
@@ -52,8 +52,31 @@ def _wrap_cache_compat(orig):
     return _handle_cache_compatibility
 
 
+SESSION_FLAG_HELP = (
+    "Session-aware KV eviction on the unified radix tree (set "
+    "SGLANG_ENABLE_UNIFIED_RADIX_TREE=1; hybrid SWA/Mamba models use it anyway): "
+    "KV of open sessions is evicted only after unreferenced KV; /close_session "
+    "drops that protection and the KV stays reusable. Works with any "
+    "--radix-eviction-policy. (sglang-session-cache)"
+)
+_HELP_MARK = "__sglang_session_cache_session_flag_help__"
+
+
+def _wrap_add_cli_args_help(orig):
+    # Stock's text describes the old mixin ("bulk-evicted on close. Requires
+    # --radix-eviction-policy priority"), neither of which holds here.
+    def add_cli_args(parser):
+        orig(parser)
+        for action in parser._actions:
+            if action.dest == "enable_session_radix_cache":
+                action.help = SESSION_FLAG_HELP
+
+    return add_cli_args
+
+
 def apply_server_args(module) -> None:
     wrap_method(module.ServerArgs, "_handle_cache_compatibility", _wrap_cache_compat)
+    wrap_class_method(module.ServerArgs, "add_cli_args", _wrap_add_cli_args_help, _HELP_MARK)
 
 
 def apply_server_args_ttl(module) -> None:

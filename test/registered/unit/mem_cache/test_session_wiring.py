@@ -141,3 +141,15 @@ def test_flag_off_scheduler_leaves_requests_alone(server_args):
     req = h.new_req(list(range(10)), session_id="s")
     sched._add_request_to_queue(req)
     assert getattr(req, "session_ref_generation", None) is None
+
+
+def test_the_flag_help_describes_this_cache():
+    import argparse
+
+    from sglang_session_cache.patches.server_wiring import SESSION_FLAG_HELP
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if a.dest == "enable_session_radix_cache"]
+    assert action.help == SESSION_FLAG_HELP
+    assert "priority" not in parser.format_help().split("--enable-session-radix-cache")[1][:400]
