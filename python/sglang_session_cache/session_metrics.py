@@ -180,6 +180,9 @@ _COUNTERS = (
      "Finished requests of an older session generation (not referenced).", False),
     ("late_finish_skipped", "sglang:session_radix_late_finish_skipped_total",
      "Requests finished after their session was closed or expired.", False),
+    ("evicted_open", "sglang:session_radix_sessions_evicted_open_total",
+     "Open sessions released to stay within the open-session bound "
+     "(65,536 sessions / 16 Mi id characters).", False),
     ("protection_withdrawals", "sglang:session_radix_protection_withdrawals_total",
      "Sessions whose protection was withdrawn by "
      "--session-radix-cache-max-protected-fraction.", False),

@@ -400,6 +400,13 @@ def test_prometheus_series(fake_prometheus):
     stats.update_scheduler_stats(SimpleNamespace())
     assert reg["sglang:session_radix_sessions_closed_total"].value(**lab) == 1
 
+    # An open session released to stay within the open-session bound.
+    h.cache.session_ref_tracker.max_open_sessions = 1
+    h.run_request(prompt(900), session_id="c")  # "b" makes room
+    stats.update_scheduler_stats(SimpleNamespace())
+    assert reg["sglang:session_radix_sessions_evicted_open_total"].value(**lab) == 1
+    assert reg["sglang:session_radix_open_sessions"].value(**lab) == 1
+
 
 def test_collectors_share_series_per_process(fake_prometheus):
     h1 = metrics_cache(make_full_cache(enable_session=True))
