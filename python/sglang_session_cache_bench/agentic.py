@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
             "UnifiedRadixCache (CPU) with the session cache off and on, for "
             "FULL, FULL+SWA and FULL+SWA+Mamba caches and several pool sizes."
         ),
+        epilog=("The same trace against live servers over HTTP: "
+                "sglang-session-cache-bench live --help"),
     )
     w = p.add_argument_group("workload (built-in generator)")
     w.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")

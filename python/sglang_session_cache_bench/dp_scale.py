@@ -348,10 +348,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool", default=DEFAULT_POOL,
                    help="TOTAL pool: tokens or a %% of the trace footprint (default 24%%)")
     p.add_argument("--shape", choices=agentic.SHAPES, default="full")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of routing methods to compare (default: all of {METHODS})")
     p.add_argument("--inflight", type=int, default=DEFAULT_INFLIGHT,
                    help="requests counted as in flight for the load signal (default 16)")
-    p.add_argument("--overload-factor", type=float, default=DEFAULT_OVERLOAD_FACTOR)
+    p.add_argument("--overload-factor", type=float, default=DEFAULT_OVERLOAD_FACTOR,
+                   help="session affinity's overload guard, as "
+                        f"--session-dp-affinity-overload-factor (default {DEFAULT_OVERLOAD_FACTOR})")
     p.add_argument("--trace", help="JSONL or Mooncake trace (default: generated)")
     add_trace_format_options(p)
     p.add_argument("--seed", type=int, default=0)
