@@ -171,10 +171,13 @@ class UnifiedSessionRefTracker:
     # requests are counted under it, so an explicit re-open (new generation)
     # still sees the old generation's requests finish.
     epochs: dict = dataclasses.field(default_factory=dict)
-    # Open ids whose current incarnation came from an explicit open
-    # (/open_session): the tracker's own, rank-independent answer to "is this
-    # id one of SGLang's session-controller sessions" (see is_explicitly_open).
-    explicit: set = dataclasses.field(default_factory=set)
+    # Ids explicitly opened (/open_session, streaming ones too) and not closed
+    # since nor expired by their own open timeout, oldest first: the tracker's
+    # rank-independent answer to "does SGLang's session controller still hold
+    # this id" (see is_explicitly_open).  Kept across global-TTL expiry, the
+    # open-session bound and tree resets, which the controller never sees;
+    # bounded like the open ids.
+    explicit: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
     # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
@@ -204,7 +207,6 @@ class UnifiedSessionRefTracker:
         self.idle.clear()
         self.recency.clear()
         self.epochs.clear()
-        self.explicit.clear()
         self.closed.clear()
         self._tombstone_chars_used = 0
         self.streaming.clear()
@@ -243,12 +245,12 @@ class UnifiedSessionRefTracker:
         register nothing when they finish.  ``timeout`` (``/open_session``'s)
         is this session's own idle TTL."""
         sid = check_session_id(session_id)
+        self._hold_explicit(sid)
         if streaming:
             self._remember_streaming(sid)
             return None
         own_ttl = normalize_ttl(timeout) if timeout is not None else None
         gen = self._open(sid, new_generation=True)
-        self.explicit.add(sid)
         if own_ttl is not None:
             act = self.idle.sessions[sid]
             act.ttl = own_ttl
@@ -256,14 +258,22 @@ class UnifiedSessionRefTracker:
         return gen
 
     def is_explicitly_open(self, session_id: str) -> bool:
-        """Whether ``session_id`` is open from an explicit open that no close,
-        expiry or room-making has ended since.  The scheduler asks this
-        instead of SGLang's session controller when deciding whether an
-        ``/open_session`` re-opens: the controller's reaper closes timed-out
-        and deferred-close sessions on each rank's own clock, so its answer
-        can differ between TP/PP ranks; this one only changes with
+        """Whether ``session_id`` was explicitly opened and neither closed
+        since nor expired by its own ``/open_session`` timeout: then SGLang's
+        session controller refuses another open of it ("already exist"), and
+        the tracker must not start a new generation either.  The scheduler
+        asks this instead of the controller: the controller's reaper closes
+        timed-out and deferred-close sessions on each rank's own clock, so
+        its answer can differ between TP/PP ranks; this one only changes with
         scheduler-ordered events and the shared clock."""
         return session_id in self.explicit
+
+    def _hold_explicit(self, sid: str) -> None:
+        explicit = self.explicit
+        explicit[sid] = None
+        explicit.move_to_end(sid)
+        while len(explicit) > self.max_open_sessions:
+            explicit.popitem(last=False)  # the oldest: a later open of it re-opens
 
     def _open(self, sid: str, new_generation: bool = False, touch: bool = True) -> int:
         """``touch=False``: the caller records the activity itself (an
@@ -468,6 +478,7 @@ class UnifiedSessionRefTracker:
         nothing.  Returns the number of leaf references dropped."""
         sid = check_session_id(session_id)
         self.streaming.pop(sid, None)
+        self.explicit.pop(sid, None)
         if sid not in self.generations:
             if sid in self.closed:
                 logger.debug("session %s already closed; nothing to release", describe_id(sid))
@@ -493,7 +504,6 @@ class UnifiedSessionRefTracker:
         self.idle.remove(sid)
         self.recency.pop(sid, None)
         self.epochs.pop(sid, None)
-        self.explicit.discard(sid)
         self.policy.forget(sid)
         released = 0
         for refs in self.index_owners:
@@ -568,6 +578,11 @@ class UnifiedSessionRefTracker:
         Returns how many expired."""
         due = self.idle.advance(t)
         for sid in due:
+            act = self.idle.sessions.get(sid)
+            if act is not None and act.ttl is not None:
+                # Its own /open_session timeout: SGLang's reaper ends the
+                # controller's session too (on its own clock, around now).
+                self.explicit.pop(sid, None)
             released = self._drop(sid)
             self.counters.expired += 1
             logger.debug("session %s expired: released %d leaf references",
@@ -647,9 +662,8 @@ class UnifiedSessionRefTracker:
                         f"[{refs.ct}] closed or unknown session {sid!r} still holds leaves"
                     )
         open_ids = self.generations.keys()
-        if not self.explicit <= open_ids:
-            raise SessionStateError(
-                f"explicitly opened ids {sorted(self.explicit - open_ids)} are not open")
+        if len(self.explicit) > self.max_open_sessions:
+            raise SessionStateError("explicitly opened ids exceed the open-session bound")
         if self.idle.sessions.keys() != open_ids or self.recency.keys() != open_ids:
             raise SessionStateError(
                 f"TTL activity index {sorted(self.idle.sessions)} / recency "

@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from session_test_utils import SHAPES, arrive, make_scheduler  # noqa: E402
 
+from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput  # noqa: E402
+
 from sglang.srt.managers.scheduler_components.request_receiver import (  # noqa: E402
     SchedulerRequestReceiver,
 )
@@ -238,8 +240,6 @@ def test_reopen_while_the_reaper_has_run_on_one_rank_only(monkeypatch):
     one rank has reaped it and another has not.  A re-open arriving then must
     do the same on every rank: the decision comes from the tracker (whose
     copy of the timeout runs on the shared clock), not from the controller."""
-    from sglang.srt.managers.io_struct import OpenSessionReqInput
-
     source_t = [5000.0]
     monkeypatch.setattr(session_clock.time, "monotonic", lambda: source_t[0])
     monkeypatch.setattr(session_clock, "_last_tick", [float("-inf")])
@@ -288,8 +288,6 @@ def test_duplicate_open_starts_no_new_generation_and_a_close_ends_it():
     h = SHAPES["full"]()
     sched = make_scheduler(h.cache)
     tracker = h.cache.session_ref_tracker
-    from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput
-
     def open_():
         return sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="s"))
 
@@ -309,4 +307,43 @@ def test_duplicate_open_starts_no_new_generation_and_a_close_ends_it():
     assert not tracker.is_explicitly_open("implicit")
     sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="implicit"))
     assert tracker.generations["implicit"] > implicit
+    tracker.validate_session_state()
+
+
+def test_an_open_sglang_refuses_changes_nothing_whatever_the_tracker_dropped():
+    """SGLang's controller keeps an explicitly opened session until it is
+    closed or its own timeout passes; the global TTL, the open-session bound
+    and a cache flush do not end it there.  An open it refuses then must not
+    start a new generation (in-flight turns would register nothing)."""
+    from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+    h = SHAPES["full"]()
+    sched = make_scheduler(h.cache)
+    tracker = h.cache.session_ref_tracker
+    tracker.set_ttl(10.0)
+
+    def open_(sid, **kw):
+        return sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id=sid, **kw))
+
+    assert open_("s").success
+    h.cache.advance_session_clock(100.0)  # the global TTL expires it in the tracker only
+    assert "s" not in tracker.generations and tracker.is_explicitly_open("s")
+    req = arrive(h, list(range(30)), "s")  # a turn reopens it implicitly
+    gen = tracker.generations["s"]
+    assert not open_("s").success  # SGLang: "already exist"
+    assert tracker.generations["s"] == gen
+    h.prefill(req, finishing=True)
+    h.finish(req)
+    assert tracker.session_leaves("s")  # the turn registered
+    # A streaming id opened again without streaming: refused, nothing opened.
+    assert open_("st", streaming=True).success is not False
+    open_("st")
+    assert "st" not in tracker.generations
+    # Its own open timeout ends it on the controller too: a later open re-opens.
+    assert open_("own", timeout=5.0).success
+    h.cache.advance_session_clock(200.0)
+    assert not tracker.is_explicitly_open("own")
+    # A close ends it as well.
+    sched.close_session(CloseSessionReqInput(session_id="s"))
+    assert not tracker.is_explicitly_open("s")
     tracker.validate_session_state()
