@@ -25,7 +25,8 @@ one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
   turns build on state only the rank that served it holds -- elsewhere the
   next turn fails or loses its context) is never moved by the overload guard
   and never expires by the TTL; it ends on ``close`` or, only once no other
-  binding is left to drop, by the cap.  It still moves off a rank that is no
+  binding is left to drop, by the cap (oldest first: the bindings of classic
+  sessions abandoned without a close end there).  It still moves off a rank that is no
   longer active (the state is gone with the rank);
 * an explicit rank (``follow``: a request's ``routed_dp_rank``) moves the
   binding there, since that turn's KV lands there.
@@ -122,14 +123,15 @@ class SessionAffinity:
         return b
 
     def _add(self, session_id: str, rank: int, now: float, keep: bool) -> None:
-        (self._kept if keep else self._bindings)[session_id] = _Binding(rank, now)
-        self._count(rank, +1)
-        if len(self) > self.max_bindings:
-            # Least recently routed first; kept bindings only when no other is left.
+        if len(self) >= self.max_bindings:
+            # Least recently routed first; kept bindings only when no other
+            # is left (an abandoned classic session, never closed, ends here).
             table = self._bindings if self._bindings else self._kept
             _, old = table.popitem(last=False)
             self._count(old.rank, -1)
             self.counters.evicted += 1
+        (self._kept if keep else self._bindings)[session_id] = _Binding(rank, now)
+        self._count(rank, +1)
 
     def route(
         self,

@@ -39,10 +39,12 @@ Requests replay in timestamp order (ties in file order); their times drive
 the session TTL. Without ``session_id``, sessions are inferred: a request
 whose ``hash_ids`` extend an earlier request's *full* list -- one that is
 longer than a single leading block, so that sharing only a system prompt
-block does not make a conversation -- is the next turn of that request's
-conversation (the longest such list wins; extending an older turn than the
-conversation's latest is a branch of it; an identical list belongs to its
-latest request). Conversations with one request are one-shot traffic
+block does not make a conversation -- is the next turn of the latest such
+conversation, when that list is the conversation's latest turn. A request
+that extends an older turn (or a list another request already continued)
+starts a conversation of its own: in a recorded trace a shared prefix is
+more often another user with the same system prompt and task than a branch,
+and merging users would serialize their turns. Conversations with one request are one-shot traffic
 (untagged); the others get ids ``conv-<n>`` (``conv-<n>-<k>`` where a line
 already uses that id). By default a session is closed
 right after its last turn (``workload_modes`` can drop the closes).
@@ -209,35 +211,41 @@ class _BlockTokens:
 
 
 class _TipTrie:
-    """Every earlier request's hash-id list, each ending at the conversation
-    of the latest request with that list, for finding the conversation a
-    request continues in O(len(hash_ids))."""
+    """Conversations by the hash-id list of their latest turn, for finding the
+    conversation a request continues in O(len(hash_ids))."""
 
     def __init__(self):
         self.root: dict = {}
-        self.conv_at: dict = {}  # id(node) -> conversation of the list ending there
+        self.tip_of: dict = {}  # id(node) -> conversation index
+        self.tip_node: dict = {}  # conversation index -> node
 
     def continues(self, hashes: tuple) -> Optional[int]:
-        """The conversation of the longest earlier full list that ``hashes``
-        strictly extends, sharing at least ``MIN_SHARED_BLOCKS`` blocks (an
-        older turn than a conversation's latest too: the request branches
-        off there)."""
+        """The conversation whose latest turn's full list ``hashes`` strictly
+        extends by more than ``MIN_SHARED_BLOCKS - 1`` shared blocks (the
+        deepest such tip)."""
         node, found = self.root, None
         for depth, h in enumerate(hashes[:-1], start=1):
             node = node.get(h)
             if node is None:
                 break
             if depth >= MIN_SHARED_BLOCKS:
-                conv = self.conv_at.get(id(node))
+                conv = self.tip_of.get(id(node))
                 if conv is not None:
                     found = conv
         return found
 
-    def add(self, conv: int, hashes: tuple) -> None:
+    def set_tip(self, conv: int, hashes: tuple) -> None:
+        old = self.tip_node.pop(conv, None)
+        if old is not None and self.tip_of.get(id(old)) == conv:
+            del self.tip_of[id(old)]
         node = self.root
         for h in hashes:
             node = node.setdefault(h, {})
-        self.conv_at[id(node)] = conv  # an identical list: the latest request owns it
+        prev = self.tip_of.get(id(node))
+        if prev is not None:  # an identical list: the latest conversation owns it
+            self.tip_node.pop(prev, None)
+        self.tip_of[id(node)] = conv
+        self.tip_node[conv] = node
 
 
 def _scaled(n: int, block_size: int, trace_block_size: int) -> int:
@@ -276,7 +284,7 @@ def read_mooncake(path: str, block_size: int = DEFAULT_BLOCK_SIZE,
                 conv = len(sizes)
                 sizes.append(0)
             sizes[conv] += 1
-            trie.add(conv, ln.hash_ids)
+            trie.set_tip(conv, ln.hash_ids)
         conv_of.append(conv)
         requests.append(TraceRequest(prompt, output, session_id=ln.session_id,
                                      line=ln.lineno, time=ln.time))

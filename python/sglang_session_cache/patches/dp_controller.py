@@ -104,7 +104,9 @@ class SessionDPRouter:
             # binding follows, as the turn's KV lands there.
             self.fallback(req)
             try:
-                self.affinity.follow(sid, req.routed_dp_rank, self.clock(), keep=classic)
+                now = self.clock()
+                self.affinity.follow(sid, req.routed_dp_rank, now, keep=classic)
+                self._report(now)
             except Exception:
                 self._log_failure("routing")
             return

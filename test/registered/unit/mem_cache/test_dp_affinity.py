@@ -175,6 +175,12 @@ def test_the_cap_drops_kept_bindings_last():
     aff.route("r", [0, 1], [0, 0], now=4, keep=True)  # only kept ones left: oldest goes
     assert aff.rank_of("k") is None and len(aff) == 2
     assert sum(aff.bound_per_rank().values()) == 2
+    # A cap full of kept bindings: a new plain session still gets its binding
+    # (the oldest kept one goes, not the newcomer).
+    aff.route("plain", [0, 1], [0, 0], now=5)
+    assert aff.rank_of("plain") is not None and aff.rank_of("q") is None
+    aff.follow("plain2", 1, now=6)
+    assert aff.rank_of("plain2") == 1 and aff.rank_of("plain") is None and len(aff) == 2
 
 
 def test_an_explicit_rank_moves_the_binding():

@@ -81,24 +81,24 @@ def test_mooncake_replays_in_timestamp_order_and_infers_sessions(tmp_path):
         _mc(200, 2000, [0, 1, 2, 6]),      # line 3: A turn 2
         _mc(100, 1800, [0, 3, 4, 5]),      # line 4: shares one block only: one-shot
         _mc(250, 900, [0, 3]),             # line 5: prefix of line 4, not an extension
-        _mc(400, 1600, [0, 1, 2, 9]),      # line 6: extends A's turn 1: a branch of A
+        _mc(400, 1600, [0, 1, 2, 9]),      # line 6: extends A's turn 1, not its tip
     ])
     t = read_mooncake(path, block_size=4)
     assert [r.line for r in t.requests] == [1, 4, 3, 5, 2, 6]
     by_line = {r.line: r for r in t.requests}
     sid = by_line[1].session_id
     assert sid is not None and sid.startswith("conv-")
-    assert [by_line[n].session_id for n in (1, 3, 2, 6)] == [sid] * 4
-    assert [by_line[n].turn for n in (1, 3, 2, 6)] == [1, 2, 3, 4]
-    assert [by_line[n].close for n in (1, 3, 2, 6)] == [False, False, False, True]
-    for n in (4, 5):
+    assert [by_line[n].session_id for n in (1, 3, 2)] == [sid] * 3
+    assert [by_line[n].turn for n in (1, 3, 2)] == [1, 2, 3]
+    assert [by_line[n].close for n in (1, 3, 2)] == [False, False, True]
+    for n in (4, 5, 6):
         assert by_line[n].session_id is None and by_line[n].is_oneshot, n
     # The next turn resends the previous turn's prompt (same block ids).
     assert by_line[3].prompt[: len(by_line[1].prompt)] == by_line[1].prompt
     s = t.summary()
     assert s["sessions"] == 1 and s["sessions_closed"] == 1
-    assert s["session_requests"] == 4 and s["oneshot_requests"] == 2
-    assert t.params["inferred_sessions"] == 1 and t.params["inferred_oneshots"] == 2
+    assert s["session_requests"] == 3 and s["oneshot_requests"] == 3
+    assert t.params["inferred_sessions"] == 1 and t.params["inferred_oneshots"] == 3
 
 
 def test_mooncake_inference_picks_the_latest_conversation_with_that_list(tmp_path):
@@ -242,6 +242,20 @@ def test_a_byte_order_mark_is_skipped(tmp_path):
     own = tmp_path / "bom-own.jsonl"
     own.write_bytes(b"\xef\xbb\xbf" + b'{"tokens": [1, 2], "output_len": 1}\n')
     assert detect_format(str(own)) == "jsonl" and len(read_jsonl(str(own)).requests) == 1
+
+
+def test_a_shared_prefix_request_does_not_merge_the_users_that_extend_it(tmp_path):
+    # [1, 2] alone (say a system prompt and a task), then three requests that
+    # extend it: the first continues it, the others are other users.
+    path = _write(tmp_path / "m.jsonl", [
+        _mc(0, 600, [1, 2]), _mc(10, 1600, [1, 2, 3, 4]),
+        _mc(20, 1600, [1, 2, 5, 6]), _mc(30, 1600, [1, 2, 7, 8]),
+    ])
+    t = read_mooncake(path, block_size=2)
+    first, second, third, fourth = t.requests
+    assert first.session_id == second.session_id is not None
+    assert third.session_id is None and fourth.session_id is None
+    assert t.params["inferred_sessions"] == 1 and t.params["inferred_oneshots"] == 2
 
 
 def test_inferred_session_names_never_take_a_given_id(tmp_path):
