@@ -64,7 +64,7 @@ def router_workers(router_url: str, timeout: float = DEFAULT_TIMEOUT_S,
         if url not in urls:
             urls.append(url)
     if not urls:
-        raise ValueError(f"{router_url}/workers lists no HTTP workers: {doc!r}")
+        raise ValueError(f"{router_url}/workers lists no HTTP workers: {str(doc)[:500]}")
     return urls
 
 

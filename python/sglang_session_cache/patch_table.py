@@ -88,13 +88,21 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="server_args.lift_priority_requirement",
         module="sglang.srt.server_args",
-        targets=("ServerArgs._handle_cache_compatibility", "ServerArgs.add_cli_args"),
+        targets=("ServerArgs._handle_cache_compatibility",),
         apply="sglang_session_cache.patches.server_wiring:apply_server_args",
         why="--enable-session-radix-cache no longer requires "
-        "--radix-eviction-policy priority (its --help says what the flag does "
-        "now); other checks unchanged. Fails fast "
+        "--radix-eviction-policy priority; other checks unchanged. Fails fast "
         "when the flag would have no effect (no unified tree for this model, "
         "see unified_tree_requirement.py).",
+    ),
+    Patch(
+        name="server_args.session_flag_help",
+        module="sglang.srt.server_args",
+        targets=("ServerArgs.add_cli_args",),
+        apply="sglang_session_cache.patches.server_wiring:apply_server_args_help",
+        why="--help of --enable-session-radix-cache says what the flag does "
+        "here; stock's text describes the old mixin (bulk eviction on close, "
+        "priority policy required).",
     ),
     Patch(
         name="registry.unified_tree_required",

@@ -6,8 +6,9 @@ A session id is a ``str`` that
 * has at most ``MAX_SESSION_ID_LEN`` (256) characters,
 * contains no control character (Unicode category ``Cc``: NUL, ``\\n``,
   ``\\t``, DEL, C1 controls, ...), no line or paragraph separator
-  (U+2028, U+2029), no bidirectional control (U+202A-U+202E,
-  U+2066-U+2069) and no unpaired surrogate.
+  (U+2028, U+2029), no bidirectional control (Unicode's Bidi_Control:
+  U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069) and no unpaired
+  surrogate.
 
 256 leaves room for UUIDs, agent/run/task compound names and hashes, while an
 id can no longer grow a server's session bookkeeping without bound. Control
@@ -32,15 +33,17 @@ RULE = (
     "line separators, bidirectional controls or unpaired surrogates"
 )
 
-#: Refused besides the ``Cc`` controls: Unicode category -> what the client is told.
+#: Refused character categories (Unicode general category -> what the client is told).
 _REFUSED_CATEGORIES = {
     "Cc": "control character",
     "Cs": "unpaired surrogate",
     "Zl": "line separator",
     "Zp": "paragraph separator",
 }
-#: Format characters (``Cf``) that reorder how a log line reads.
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+#: Format characters (``Cf``) that reorder how a log line reads: Unicode's
+#: Bidi_Control set (marks, embeddings, overrides, isolates).
+_BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e"
+                           "\u2066\u2067\u2068\u2069")
 
 
 def _refused_char(sid: str) -> Optional[str]:

@@ -51,6 +51,8 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from sglang_session_cache.session_tracker import MAX_OPEN_SESSION_CHARS, MAX_OPEN_SESSIONS
+
 #: Log / Prometheus reads reuse a referenced-token walk this long (seconds).
 REFERENCED_TOKENS_MAX_AGE_S = 1.0
 
@@ -182,7 +184,7 @@ _COUNTERS = (
      "Requests finished after their session was closed or expired.", False),
     ("evicted_open", "sglang:session_radix_sessions_evicted_open_total",
      "Open sessions released to stay within the open-session bound "
-     "(65,536 sessions / 16 Mi id characters).", False),
+     f"({MAX_OPEN_SESSIONS:,} sessions / {MAX_OPEN_SESSION_CHARS:,} id characters).", False),
     ("protection_withdrawals", "sglang:session_radix_protection_withdrawals_total",
      "Sessions whose protection was withdrawn by "
      "--session-radix-cache-max-protected-fraction.", False),

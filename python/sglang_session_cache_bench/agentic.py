@@ -96,7 +96,11 @@ from sglang_session_cache.protection_policy import (
 )
 from sglang_session_cache.session_ttl import SessionTTLError, normalize_ttl
 from sglang_session_cache_bench import trace_clock
-from sglang_session_cache_bench.mooncake import add_trace_format_options, read_trace
+from sglang_session_cache_bench.trace_files import (
+    add_trace_format_options,
+    positive_int,
+    trace_from_args,
+)
 from sglang_session_cache_bench.workload_modes import (
     CLOSE_CHOICES,
     DEFAULT_MODE_TTL,
@@ -177,13 +181,6 @@ def _fraction(text: str) -> float:
     v = float(text)
     if not 0.0 <= v < 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return v
 
 
@@ -898,9 +895,9 @@ def write_plot(results: dict, path: str) -> None:
 
 def load_trace(args) -> Trace:
     """The trace as recorded or generated (no tagging/closing policy yet)."""
-    if args.trace:
-        return read_trace(args.trace, args.trace_format, args.block_size,
-                          args.trace_block_size)
+    trace = trace_from_args(args)
+    if trace is not None:
+        return trace
     try:
         return generate_trace(_generator_config(args))
     except ValueError as exc:

@@ -51,7 +51,7 @@ from typing import Optional
 
 from sglang_session_cache.dp_affinity import DEFAULT_OVERLOAD_FACTOR, SessionAffinity
 from sglang_session_cache_bench import agentic
-from sglang_session_cache_bench.mooncake import add_trace_format_options
+from sglang_session_cache_bench.trace_files import add_trace_format_options
 from sglang_session_cache_bench.trace import Trace, TraceClose, TraceError, ideal_stats
 from sglang_session_cache_bench.trace_clock import TraceClock, attach
 

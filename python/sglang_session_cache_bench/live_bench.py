@@ -44,7 +44,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
-from sglang_session_cache_bench.mooncake import add_trace_format_options, read_trace
+from sglang_session_cache_bench.trace_files import add_trace_format_options, trace_from_args
 from sglang_session_cache_bench.trace import (
     GeneratorConfig,
     Trace,
@@ -90,9 +90,9 @@ def model_token(t: int, vocab: int) -> int:
 
 
 def build_trace(args) -> Trace:
-    if args.trace:
-        return read_trace(args.trace, args.trace_format, args.block_size,
-                          args.trace_block_size)
+    trace = trace_from_args(args)
+    if trace is not None:
+        return trace
     cfg = GeneratorConfig(**dict(LIVE_WORKLOAD, seed=args.seed, vocab=args.vocab))
     if args.sessions:
         cfg.sessions = args.sessions

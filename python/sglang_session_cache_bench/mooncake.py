@@ -52,7 +52,6 @@ right after its last turn (``workload_modes`` can drop the closes).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
@@ -65,7 +64,6 @@ from sglang_session_cache_bench.trace import (
     TraceRequest,
     _check_session_id,
     _type_name,
-    read_jsonl,
 )
 
 DEFAULT_BLOCK_SIZE = 512
@@ -355,58 +353,9 @@ def detect_format(path: str) -> str:
         f"--trace-format mooncake or --trace-format jsonl")
 
 
-TRACE_FORMATS = ("auto", "jsonl", "mooncake")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
-
-
-def add_trace_format_options(parser) -> None:
-    """``--trace-format``, ``--block-size`` and ``--trace-block-size``: how a
-    ``--trace`` file is read (every benchmark that takes ``--trace``)."""
-    parser.add_argument(
-        "--trace-format", choices=TRACE_FORMATS, default="auto",
-        help="format of --trace: this benchmark's JSONL or Mooncake/aiperf "
-             "(timestamp, input_length, output_length, hash_ids); default: "
-             "detected from the first line")
-    parser.add_argument(
-        "--block-size", type=_positive_int, default=None, metavar="TOKENS",
-        help=f"Mooncake: token ids per hash id in the replay (default "
-             f"{DEFAULT_BLOCK_SIZE}); smaller scales the whole trace down for CPU runs")
-    parser.add_argument(
-        "--trace-block-size", type=_positive_int, default=None, metavar="TOKENS",
-        help=f"Mooncake: tokens per hash id in the recorded trace (default "
-             f"{DEFAULT_BLOCK_SIZE})")
-
-
-def read_trace(path: str, trace_format: str = "auto", block_size: Optional[int] = None,
-               trace_block_size: Optional[int] = None) -> Trace:
-    """A ``--trace`` file in ``trace_format`` (``auto``: ``detect_format``)."""
-    if trace_format not in TRACE_FORMATS:
-        raise TraceError(f"trace format must be one of {list(TRACE_FORMATS)}, "
-                         f"got {trace_format!r}")
-    fmt = detect_format(path) if trace_format == "auto" else trace_format
-    if fmt == "mooncake":
-        return read_mooncake(path, block_size=block_size or DEFAULT_BLOCK_SIZE,
-                             trace_block_size=trace_block_size or DEFAULT_BLOCK_SIZE)
-    if block_size or trace_block_size:
-        raise TraceError(f"{path} is a JSONL trace; --block-size and --trace-block-size "
-                         "apply to Mooncake traces only")
-    return read_jsonl(path)
-
-
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
-    "TRACE_FORMATS",
-    "add_trace_format_options",
-    "read_trace",
+
     "INFERRED_SESSION_PREFIX",
     "detect_format",
     "read_mooncake",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from sglang_session_cache.dp_affinity import SessionAffinity
 from sglang_session_cache.patches._wrap import wrap_method
@@ -35,15 +35,15 @@ _AFFINITY_METHODS = ("round_robin", "total_requests", "total_tokens")
 
 
 def session_key(req) -> Optional[str]:
-    """The session a generate request belongs to: the top-level ``session_id``
-    of the session cache, else a classic session's ``session_params.id``."""
+    """The session a generate request belongs to (``session_of(req)[0]``)."""
     return session_of(req)[0]
 
 
-def session_of(req) -> tuple:
-    """``(session, classic)``: ``session_key(req)``, and whether it is a
-    classic session's (``session_params``): its turns build on state only the
-    rank that served it holds, so its binding is kept (dp_affinity.py)."""
+def session_of(req) -> Tuple[Optional[str], bool]:
+    """``(session, classic)``: the top-level ``session_id`` of the session
+    cache, else a classic session's ``session_params.id`` (``classic``: its
+    turns build on state only the rank that served it holds, so its binding
+    is kept, dp_affinity.py); ``(None, False)`` without a string id."""
     sid = getattr(req, "session_id", None)
     classic = False
     if sid is None:

@@ -76,6 +76,9 @@ def _wrap_add_cli_args_help(orig):
 
 def apply_server_args(module) -> None:
     wrap_method(module.ServerArgs, "_handle_cache_compatibility", _wrap_cache_compat)
+
+
+def apply_server_args_help(module) -> None:
     wrap_class_method(module.ServerArgs, "add_cli_args", _wrap_add_cli_args_help, _HELP_MARK)
 
 

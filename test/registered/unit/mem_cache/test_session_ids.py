@@ -33,6 +33,7 @@ BAD = {
     "paragraph_separator": ("a\u2029b", "paragraph separator"),
     "bidi_override": ("user\u202eevil", "bidirectional control character '\\u202e'"),
     "bidi_isolate": ("a\u2066b", "bidirectional control character"),
+    "bidi_mark": ("a\u200fb", "bidirectional control character"),
 }
 
 

@@ -291,6 +291,11 @@ def test_other_benchmarks_read_mooncake_traces(tmp_path, capsys):
     bad = _write(tmp_path / "bad.jsonl", [_mc(0, 10, [1]), {"timestamp": 1}])
     assert live_bench.main(["--url", "http://127.0.0.1:9", "--trace", bad]) == 2
     assert "line 2:" in capsys.readouterr().err
+    # The Mooncake options without a --trace file are a mistake, not ignored.
+    assert live_bench.main(["--url", "http://127.0.0.1:9", "--block-size", "16"]) == 2
+    assert dp_scale.main(["--block-size", "16", "--out", str(tmp_path / "dp")]) == 2
+    assert agentic.main(["--block-size", "16", "--out", str(tmp_path / "ag")]) == 2
+    assert capsys.readouterr().err.count("apply to a --trace file") == 3
 
 
 def test_mooncake_trace_replays_on_the_real_cache(tmp_path, capsys):
