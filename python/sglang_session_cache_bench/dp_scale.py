@@ -51,7 +51,7 @@ from typing import Optional
 
 from sglang_session_cache.dp_affinity import DEFAULT_OVERLOAD_FACTOR, SessionAffinity
 from sglang_session_cache_bench import agentic
-from sglang_session_cache_bench.trace_files import add_trace_format_options
+from sglang_session_cache_bench.trace_files import add_trace_format_options, trace_from_args
 from sglang_session_cache_bench.trace import Trace, TraceClose, TraceError, ideal_stats
 from sglang_session_cache_bench.trace_clock import TraceClock, attach
 
@@ -365,11 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _trace(args) -> Trace:
+    trace = trace_from_args(args)
+    if trace is not None:
+        return trace
+    # The agentic benchmark's generated trace, as its --quick / --seed make it.
     ns = agentic.build_parser().parse_args(
-        (["--trace", args.trace, "--trace-format", args.trace_format] if args.trace else [])
-        + (["--block-size", str(args.block_size)] if args.block_size else [])
-        + (["--trace-block-size", str(args.trace_block_size)] if args.trace_block_size else [])
-        + (["--quick"] if args.quick else []) + ["--seed", str(args.seed)])
+        (["--quick"] if args.quick else []) + ["--seed", str(args.seed)])
     return agentic.load_trace(ns)
 
 

@@ -44,10 +44,10 @@ conversation, when that list is the conversation's latest turn. A request
 that extends an older turn (or a list another request already continued)
 starts a conversation of its own: in a recorded trace a shared prefix is
 more often another user with the same system prompt and task than a branch,
-and merging users would serialize their turns. Conversations with one request are one-shot traffic
-(untagged); the others get ids ``conv-<n>`` (``conv-<n>-<k>`` where a line
-already uses that id). By default a session is closed
-right after its last turn (``workload_modes`` can drop the closes).
+and merging users would serialize their turns. Conversations with one
+request are one-shot traffic (untagged); the others get ids ``conv-<n>``
+(``conv-<n>-<k>`` where a line already uses that id). By default a session
+is closed right after its last turn (``workload_modes`` can drop the closes).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from sglang_session_cache_bench.trace import (
     TraceRequest,
     _check_session_id,
     _type_name,
+    open_trace,
 )
 
 DEFAULT_BLOCK_SIZE = 512
@@ -156,10 +157,7 @@ def _parse_line(obj, lineno: int, trace_block_size: int, last_time: dict) -> _Li
 
 
 def _read_lines(path: str, trace_block_size: int) -> list:
-    try:
-        fh = open(path, "r", encoding="utf-8-sig")  # -sig: a leading BOM is skipped
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
+    fh = open_trace(path)
     lines: list = []
     last_time: dict = {}
     with fh:
@@ -321,10 +319,7 @@ def read_mooncake(path: str, block_size: int = DEFAULT_BLOCK_SIZE,
 def detect_format(path: str) -> str:
     """``"mooncake"`` or ``"jsonl"`` from the first non-blank line; raises
     ``TraceError`` when that line does not tell."""
-    try:
-        fh = open(path, "r", encoding="utf-8-sig")
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
+    fh = open_trace(path)
     with fh:
         try:
             for lineno, raw in enumerate(fh, start=1):
@@ -355,7 +350,6 @@ def detect_format(path: str) -> str:
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
-
     "INFERRED_SESSION_PREFIX",
     "detect_format",
     "read_mooncake",

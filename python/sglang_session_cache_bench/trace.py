@@ -357,12 +357,18 @@ def _event_time(obj: dict, where: str) -> Optional[float]:
     return float(t)
 
 
-def read_jsonl(path: str) -> Trace:
-    """Read a JSONL trace (format in the module docstring)."""
+def open_trace(path: str):
+    """A trace file opened for reading as text (a leading UTF-8 BOM is
+    skipped), or ``TraceError`` naming the file."""
     try:
-        fh = open(path, "r", encoding="utf-8-sig")  # -sig: a leading BOM is skipped
+        return open(path, "r", encoding="utf-8-sig")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
+
+
+def read_jsonl(path: str) -> Trace:
+    """Read a JSONL trace (format in the module docstring)."""
+    fh = open_trace(path)
     fresh = iter(range(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + (1 << 62)))
     events: list = []
     turns: dict = {}
