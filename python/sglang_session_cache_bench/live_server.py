@@ -201,19 +201,24 @@ class LaunchedServer:
         self.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self.alive():
-                if self._port_retries and _PORT_CLASH in self.log_text().lower():
-                    self._port_retries -= 1
-                    sys.stderr.write(f"[live_server] {self.name}: port {self.port} was "
-                                     "taken; restarting on a fresh port\n")
-                    self.proc, self.port = None, free_port()
-                    self.start()
-                    deadline = time.monotonic() + timeout
-                    continue
-                raise ServerStartError(
-                    f"{self.name}: server exited with status {self.proc.returncode}\n"
-                    + self.log_tail()
-                )
+            alive = self.alive()
+            # A clash in a child (a DP worker's ZMQ or NCCL port) leaves the
+            # parent waiting forever, so the log is read while it is alive too.
+            clash = _PORT_CLASH in self.log_text().lower()
+            if clash and self._port_retries:
+                self._port_retries -= 1
+                sys.stderr.write(f"[live_server] {self.name}: port {self.port} (or one "
+                                 "SGLang picked) was taken; restarting on a fresh port\n")
+                self.stop()
+                self.proc, self.port = None, free_port()
+                self.start()
+                deadline = time.monotonic() + timeout
+                continue
+            if not alive or clash:
+                self.stop()
+                status = "exited with status %s" % self.proc.returncode if not alive \
+                    else "could not bind a port"
+                raise ServerStartError(f"{self.name}: server {status}\n" + self.log_tail())
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:

@@ -1,0 +1,56 @@
+"""The E2E launcher's port-clash handling, without SGLang: a fake "python"
+that reports a bind failure and keeps running, as SGLang's parent does when
+a DP worker's port is taken (it waits for the worker forever)."""
+
+import stat
+import textwrap
+
+import pytest
+
+from sglang_session_cache_bench.live_server import (PORT_CLASH_RETRIES, LaunchedServer,
+                                                      ServerStartError)
+
+
+def _fake_python(tmp_path, starts_file):
+    script = tmp_path / "fake-python"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo start >> {starts_file}
+        echo "OSError: [Errno 98] Address already in use"
+        exec sleep 120
+        """))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return script
+
+
+def test_clash_in_a_live_server_is_retried_on_fresh_ports_then_reported(tmp_path):
+    starts = tmp_path / "starts"
+    server = LaunchedServer("/no/model", python=str(_fake_python(tmp_path, starts)),
+                            name="fake", log_path=tmp_path / "fake.log")
+    first_port = server.port
+    ports = []
+    real_start = server.start
+
+    def start():
+        ports.append(server.port)
+        return real_start()
+
+    server.start = start
+    try:
+        with pytest.raises(ServerStartError, match="could not bind a port"):
+            server.wait_ready(timeout=60)  # fails fast, not after the timeout
+    finally:
+        server.stop()
+    assert starts.read_text().count("start") == 1 + PORT_CLASH_RETRIES
+    assert ports[0] == first_port and len(set(ports)) == len(ports)
+    assert not server.alive()  # every attempt's process group was stopped
+
+
+def test_a_port_the_caller_chose_is_never_changed(tmp_path):
+    starts = tmp_path / "starts"
+    server = LaunchedServer("/no/model", python=str(_fake_python(tmp_path, starts)),
+                            name="fake", port=1, log_path=tmp_path / "fake.log")
+    with pytest.raises(ServerStartError, match="could not bind a port"):
+        server.wait_ready(timeout=60)
+    assert server.port == 1 and starts.read_text().count("start") == 1
+    assert not server.alive()
