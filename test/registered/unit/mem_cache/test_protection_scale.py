@@ -42,6 +42,32 @@ def test_misses_of_other_traffic_shrink_returning_sessions_grow():
     assert s.validate() is None
 
 
+def test_a_returning_sessions_miss_fades_with_the_ghosts_age():
+    """Protection pays per token held until the session returns: a session
+    missing KV evicted long ago would have lost it under plain LRU too."""
+    from sglang_session_cache.protection_scale import RETURN_WINDOW
+
+    window = int(RETURN_WINDOW * 1000)
+    for evicted_after, grown in ((0, 100), (window // 2, 50), (window, 0), (2 * window, 0)):
+        s = ProtectionScale()
+        s.configure(1000)
+        s.scale = 0.5
+        s.evicted(1, 2, [5, 6, 7], 100)
+        if evicted_after:
+            s.evicted(3, 4, [8], evicted_after)  # other unreferenced KV goes after it
+        s.missed(1, [5, 6, 7, 8], returning=True)
+        assert s.scale == pytest.approx(0.5 + grown / 1000)
+        assert s.grew == (grown > 0) and (1, 5) not in s.ghosts  # used even when it counts 0
+    # Other traffic's misses count in full whatever the age: a hot document
+    # pushed out is the cost of protection.
+    s = ProtectionScale()
+    s.configure(1000)
+    s.evicted(1, 2, [5, 6, 7], 100)
+    s.evicted(3, 4, [8], 2 * window)
+    s.missed(1, [5, 6, 7, 8], returning=False)
+    assert s.scale == pytest.approx(0.9) and s.shrank == 1
+
+
 def test_a_miss_counts_the_whole_evicted_chain():
     s = ProtectionScale()
     s.configure(1000)
