@@ -184,12 +184,10 @@ class ProtectionScale:
             if lost >= want:
                 break
         lost = counted
+        if lost and returning:
+            lost *= self.return_weight(newest)
         if not lost:
             return False
-        if returning:
-            lost *= self.return_weight(newest)
-            if not lost:
-                return False
         step = lost / self.capacity
         if returning:
             self.grew += 1

@@ -216,8 +216,10 @@ class LaunchedServer:
                 continue
             if not alive or clash:
                 self.stop()
-                status = "exited with status %s" % self.proc.returncode if not alive \
-                    else "could not bind a port"
+                if alive:
+                    status = "could not bind a port"
+                else:
+                    status = f"exited with status {self.proc.returncode}"
                 raise ServerStartError(f"{self.name}: server {status}\n" + self.log_tail())
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
