@@ -134,9 +134,6 @@ class PartitionedLRUList(UnifiedLRUList):
 
     # ---- partition moves ----
 
-    def _partition_bounds(self, referenced: bool):
-        return (self.head, self.mid) if referenced else (self.mid, self.tail)
-
     def move_to_partition(self, node: UnifiedTreeNode) -> None:
         """Move ``node`` into the partition its reference state now calls
         for, at the position its recency stamp gives it (not at the MRU end:
@@ -145,12 +142,20 @@ class PartitionedLRUList(UnifiedLRUList):
         if node.id not in self.cache:
             return
         self.moves += 1
-        self._remove_node(node)
-        self._insert_by_stamp(node, node.lru_stamp[self._pt])
+        pt = self._pt
+        # _remove_node inlined (runs on every reference flip); the links are
+        # set again right below.
+        prev, nxt = node.lru_prev[pt], node.lru_next[pt]
+        prev.lru_next[pt] = nxt
+        nxt.lru_prev[pt] = prev
+        self._insert_by_stamp(node, node.lru_stamp[pt])
 
     def _insert_by_stamp(self, node: UnifiedTreeNode, stamp: int) -> None:
         pt = self._pt
-        start, end = self._partition_bounds(self.is_referenced(node))
+        if node.component_data[self.component_type].session_ref > 0:
+            start, end = self.head, self.mid
+        else:
+            start, end = self.mid, self.tail
         # Stamps decrease from start (MRU) to end (LRU); the cursor sentinel
         # may sit inside a partition during an eviction walk and has no stamp.
         first = start.lru_next[pt]

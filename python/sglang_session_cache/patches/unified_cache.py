@@ -31,9 +31,13 @@ def apply_component_data(module) -> None:
 
 
 def _on_ref_change(cache, node, ct) -> None:
-    # Both lists are PartitionedLRUList once tracking is attached.
+    # Both lists are PartitionedLRUList once tracking is attached.  The host
+    # list is empty without HiCache: skip the call (every reference flip of
+    # an SWA/Mamba node lands here).
     cache.lru_lists[ct].move_to_partition(node)
-    cache.host_lru_lists[ct].move_to_partition(node)
+    host = cache.host_lru_lists[ct]
+    if host.cache:
+        host.move_to_partition(node)
 
 
 def _install_partitioned_lrus(cache) -> None:
