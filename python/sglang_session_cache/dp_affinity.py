@@ -19,7 +19,9 @@ one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
   ``min_load`` (a lightly used rank is not overloaded however idle the others
   are -- without this floor one busy session would bounce between ranks);
 * a binding ends on ``close(session)``, when no request of the session was
-  routed for ``ttl`` seconds (the session cache's TTL), or when more than
+  routed for ``ttl`` seconds (the session cache's TTL, or the session's own
+  ``/open_session`` timeout, announced by ``open``: the ranks expire such a
+  session by that timeout, so its binding lasts as long), or when more than
   ``max_bindings`` sessions are bound (least recently routed first);
 * a **kept** binding (``keep=True``: a classic ``/open_session`` session, whose
   turns build on state only the rank that served it holds -- elsewhere the
@@ -33,12 +35,15 @@ one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
 
 The policy is pure bookkeeping: it does not send anything and does not read a
 clock of its own (``now`` is passed in), so the benchmark drives the very same
-object as the controller.  Bindings live in one ``OrderedDict`` ordered by last
-use, so expiry pops from the front and is O(1) when nothing is due.
+object as the controller.  Bindings under the shared TTL live in one
+``OrderedDict`` ordered by last use, so expiry pops from the front and is O(1)
+when nothing is due; bindings with a timeout of their own sit in a second one,
+and a heap of their due times keeps their expiry O(log n).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -63,11 +68,15 @@ class AffinityCounters:
 
 
 class _Binding:
-    __slots__ = ("rank", "last")
+    # ttl: the session's own timeout (None: the shared TTL); due: the expiry
+    # time its live heap entry was pushed with (older entries are stale).
+    __slots__ = ("rank", "last", "ttl", "due")
 
-    def __init__(self, rank: int, last: float):
+    def __init__(self, rank: int, last: float, ttl: Optional[float] = None):
         self.rank = rank
         self.last = last
+        self.ttl = ttl
+        self.due = None
 
 
 class SessionAffinity:
@@ -91,17 +100,56 @@ class SessionAffinity:
         self.ttl = ttl
         self.min_load = min_load
         self.counters = AffinityCounters()
-        # Expiring bindings and kept ones, each ordered by last use.
+        # Bindings under the shared TTL, those with a timeout of their own,
+        # and kept ones, each ordered by last use.
         self._bindings: "OrderedDict[str, _Binding]" = OrderedDict()
+        self._timed: "OrderedDict[str, _Binding]" = OrderedDict()
         self._kept: "OrderedDict[str, _Binding]" = OrderedDict()
+        self._due: list = []  # heap of (due, session) for the timed ones
+        # Timeouts announced by /open_session, for sessions bound or not yet
+        # (at most max_bindings, oldest dropped).
+        self._timeouts: "OrderedDict[str, float]" = OrderedDict()
         self._bound_per_rank: dict = {}  # rank -> bindings, the tie-breaker
 
     def __len__(self) -> int:
-        return len(self._bindings) + len(self._kept)
+        return len(self._bindings) + len(self._timed) + len(self._kept)
+
+    def _get(self, session_id: str) -> Optional[_Binding]:
+        return (self._bindings.get(session_id) or self._timed.get(session_id)
+                or self._kept.get(session_id))
 
     def rank_of(self, session_id: str) -> Optional[int]:
-        b = self._bindings.get(session_id) or self._kept.get(session_id)
+        b = self._get(session_id)
         return None if b is None else b.rank
+
+    def timeout_of(self, session_id: str) -> Optional[float]:
+        """The session's own timeout (``open``), or ``None``."""
+        return self._timeouts.get(session_id)
+
+    def open(self, session_id: str, timeout: Optional[float]) -> None:
+        """``/open_session`` with ``timeout`` seconds (``None``: none).  Like
+        the ranks, a session already open with a timeout keeps it; a first
+        timeout applies to its binding from now on."""
+        if timeout is None or session_id in self._timeouts:
+            return
+        self._timeouts[session_id] = timeout
+        while len(self._timeouts) > self.max_bindings:
+            self._timeouts.popitem(last=False)
+        b = self._bindings.pop(session_id, None)
+        if b is not None:
+            self._time(session_id, b, timeout)
+
+    def _time(self, session_id: str, b: _Binding, timeout: float) -> None:
+        b.ttl = timeout
+        b.due = b.last + timeout
+        self._timed[session_id] = b
+        due = self._due
+        if len(due) > 2 * len(self._timed) + 64:
+            # Entries of bindings that ended early pile up until their due
+            # time; rebuild from the live ones instead.
+            due[:] = [(t.due, sid) for sid, t in self._timed.items() if sid != session_id]
+            heapq.heapify(due)
+        heapq.heappush(due, (b.due, session_id))
 
     def is_kept(self, session_id: str) -> bool:
         return session_id in self._kept
@@ -113,25 +161,45 @@ class SessionAffinity:
         if b is not None:
             self._kept.move_to_end(session_id)
             return b
-        b = self._bindings.get(session_id)
-        if b is not None:
-            if keep:
-                del self._bindings[session_id]
-                self._kept[session_id] = b
-            else:
-                self._bindings.move_to_end(session_id)
-        return b
+        for table in (self._bindings, self._timed):
+            b = table.get(session_id)
+            if b is not None:
+                if keep:
+                    del table[session_id]
+                    self._kept[session_id] = b
+                else:
+                    table.move_to_end(session_id)
+                return b
+        return None
 
     def _add(self, session_id: str, rank: int, now: float, keep: bool) -> None:
         if len(self) >= self.max_bindings:
             # Least recently routed first; kept bindings only when no other
             # is left (an abandoned classic session, never closed, ends here).
-            table = self._bindings if self._bindings else self._kept
-            _, old = table.popitem(last=False)
+            table = self._oldest_expiring() or self._kept
+            sid, old = table.popitem(last=False)
+            if table is self._timed:
+                self._timeouts.pop(sid, None)
             self._count(old.rank, -1)
             self.counters.evicted += 1
-        (self._kept if keep else self._bindings)[session_id] = _Binding(rank, now)
+        b = _Binding(rank, now)
+        timeout = None if keep else self._timeouts.get(session_id)
+        if keep:
+            self._kept[session_id] = b
+        elif timeout is not None:
+            self._time(session_id, b, timeout)
+        else:
+            self._bindings[session_id] = b
         self._count(rank, +1)
+
+    def _oldest_expiring(self) -> Optional[OrderedDict]:
+        """The table holding the least recently routed expiring binding."""
+        plain, timed = self._bindings, self._timed
+        if not plain or not timed:
+            return plain or timed or None
+        first_plain = next(iter(plain.values()))
+        first_timed = next(iter(timed.values()))
+        return timed if first_timed.last < first_plain.last else plain
 
     def route(
         self,
@@ -220,7 +288,9 @@ class SessionAffinity:
 
     def close(self, session_id: str) -> bool:
         """End the binding of a closed session; ``False`` if it had none."""
-        b = self._bindings.pop(session_id, None) or self._kept.pop(session_id, None)
+        self._timeouts.pop(session_id, None)
+        b = (self._bindings.pop(session_id, None) or self._timed.pop(session_id, None)
+             or self._kept.pop(session_id, None))
         if b is None:
             return False
         self._count(b.rank, -1)
@@ -228,17 +298,29 @@ class SessionAffinity:
         return True
 
     def expire(self, now: float) -> int:
-        """Drop bindings idle for longer than the TTL (kept ones stay);
-        returns how many."""
-        if self.ttl is None:
-            return 0
+        """Drop bindings idle for longer than their TTL (the shared one, or
+        the session's own timeout; kept ones stay); returns how many."""
         n = 0
         bindings = self._bindings
-        while bindings:
+        while self.ttl is not None and bindings:
             sid, b = next(iter(bindings.items()))
             if now - b.last < self.ttl:
                 break
             del bindings[sid]
+            self._count(b.rank, -1)
+            n += 1
+        due = self._due
+        while due and due[0][0] <= now:
+            at, sid = heapq.heappop(due)
+            b = self._timed.get(sid)
+            if b is None or b.due != at:
+                continue  # the binding ended or was rescheduled
+            if now - b.last < b.ttl:  # routed since: due later
+                b.due = b.last + b.ttl
+                heapq.heappush(due, (b.due, sid))
+                continue
+            del self._timed[sid]
+            self._timeouts.pop(sid, None)
             self._count(b.rank, -1)
             n += 1
         self.counters.expired += n

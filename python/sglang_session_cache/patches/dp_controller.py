@@ -6,8 +6,9 @@ session cache is on, ``dp_size > 1`` and affinity is not disabled, a
 ``SessionDPRouter`` is composed onto the controller; it replaces the
 instance's ``dispatching`` (the configured method) with a front that sends
 session requests to their bound rank and hands everything else to the
-configured method, and it sees ``CloseSessionReqInput`` before the controller
-broadcasts it to the ranks.  Otherwise nothing changes.
+configured method, and it sees ``OpenSessionReqInput`` (a session's own
+timeout) and ``CloseSessionReqInput`` before the controller broadcasts them to
+the ranks.  Otherwise nothing changes.
 """
 
 from __future__ import annotations
@@ -145,7 +146,21 @@ class SessionDPRouter:
         budget.total_tokens[rank] += tokens
         return rank
 
-    # ---- session end -------------------------------------------------------------
+    # ---- session open and end ----------------------------------------------------
+
+    def on_open(self, msg) -> None:
+        """``/open_session``: a top-level ``session_id`` session opened with
+        a ``timeout`` expires by it on the ranks, so its binding does too."""
+        try:
+            sid, timeout = msg.session_id, getattr(msg, "timeout", None)
+            if isinstance(sid, str) and timeout is not None and not msg.streaming:
+                from sglang_session_cache.session_ttl import normalize_ttl
+
+                self.affinity.open(sid, normalize_ttl(timeout))
+        except Exception:
+            # A bad timeout is the ranks' to reject; the binding keeps the TTL.
+            logger.debug("open_session timeout not applied to the DP binding", exc_info=True)
+        self.controller.send_control_message(msg)  # what the controller did before
 
     def on_close(self, msg) -> None:
         try:
@@ -240,15 +255,15 @@ def _wrap_init_dispatcher(orig):
         orig(self)
         if not affinity_wanted(self.server_args, self.load_balance_method.name.lower()):
             return
-        from sglang.srt.managers.io_struct import CloseSessionReqInput
+        from sglang.srt.managers.io_struct import CloseSessionReqInput, OpenSessionReqInput
         from sglang.utils import TypeBasedDispatcher
 
         router = SessionDPRouter(self, fallback=self.dispatching)
         self.session_router = router
         self.dispatching = router.dispatch
-        # Closes are broadcast by the fallback; see them first.
+        # Opens and closes are broadcast by the fallback; see them first.
         self._request_dispatcher += TypeBasedDispatcher(
-            [(CloseSessionReqInput, router.on_close)])
+            [(OpenSessionReqInput, router.on_open), (CloseSessionReqInput, router.on_close)])
         logger.info(
             "Session DP affinity on: session requests go to their bound DP rank "
             "(overload factor %s, at most %d bindings, TTL %s); others use %s.",

@@ -130,6 +130,67 @@ def test_ttl_expires_idle_bindings_in_activity_order():
     assert aff.counters.expired == 2
 
 
+def test_a_sessions_own_timeout_sets_its_bindings_expiry():
+    # /open_session with a timeout: the ranks expire that session by it, not
+    # by the shared TTL, so its binding lasts exactly as long.
+    aff = SessionAffinity(ttl=10)
+    aff.open("long", 100.0)
+    aff.open("short", 3.0)
+    aff.route("long", [0, 1], [0, 0], now=0)
+    aff.route("short", [0, 1], [0, 0], now=0)
+    aff.route("plain", [0, 1], [0, 0], now=0)
+    assert aff.timeout_of("long") == 100.0 and aff.timeout_of("plain") is None
+    assert aff.expire(3) == 1 and aff.rank_of("short") is None
+    assert aff.expire(10) == 1 and aff.rank_of("plain") is None
+    aff.route("long", [0, 1], [0, 0], now=90)  # activity pushes its expiry on
+    assert aff.expire(150) == 0 and aff.rank_of("long") is not None
+    assert aff.expire(190) == 1 and len(aff) == 0 and aff.bound_per_rank() == {}
+    assert aff.counters.expired == 3
+    # Expired with its session on the ranks: the next turn reopens it under
+    # the shared TTL there, and binds anew under it here.
+    assert aff.timeout_of("long") is None
+    aff.route("long", [0, 1], [0, 0], now=200)
+    assert aff.expire(210) == 1
+
+
+def test_a_timeout_applies_to_an_existing_binding_once_and_ends_on_close():
+    aff = SessionAffinity(ttl=None)  # no shared TTL: only own timeouts expire
+    aff.route("a", [0, 1], [0, 0], now=0)
+    aff.open("a", 5.0)
+    aff.open("a", 500.0)  # already open with a timeout: kept, like the ranks
+    assert aff.timeout_of("a") == 5.0
+    assert aff.expire(4) == 0 and aff.expire(5) == 1
+    aff.open("b", 5.0)
+    aff.route("b", [0, 1], [0, 0], now=10)
+    assert aff.close("b") and aff.timeout_of("b") is None
+    assert aff.expire(1e9) == 0  # its heap entry is stale, nothing double-counted
+    aff.open("c", None)  # no timeout: nothing recorded
+    aff.route("c", [0, 1], [0, 0], now=0)
+    assert aff.expire(1e9) == 0 and aff.rank_of("c") is not None
+
+
+def test_timed_bindings_share_the_cap_by_last_use_and_stay_bounded():
+    aff = SessionAffinity(max_bindings=2)
+    aff.open("t", 50.0)
+    aff.route("t", [0, 1], [0, 0], now=0)
+    aff.route("p", [0, 1], [0, 0], now=1)
+    aff.route("q", [0, 1], [0, 0], now=2)  # the least recently routed goes: "t"
+    assert aff.rank_of("t") is None and aff.timeout_of("t") is None
+    assert aff.counters.evicted == 1 and len(aff) == 2
+    # A classic session's binding is kept whatever its timeout.
+    aff.open("k", 1.0)
+    aff.route("k", [0, 1], [0, 0], now=3, keep=True)
+    assert aff.is_kept("k") and aff.expire(100) == 0
+    # Many short-lived timed sessions closed early: the heap does not grow
+    # with them.
+    big = SessionAffinity(max_bindings=10)
+    for i in range(1000):
+        big.open(f"s{i}", 1e6)
+        big.route(f"s{i}", [0], [0], now=i)
+        big.close(f"s{i}")
+    assert len(big._due) <= 64 + 2 and len(big) == 0
+
+
 def test_no_ttl_keeps_bindings():
     aff = SessionAffinity(ttl=None)
     aff.route("a", [0, 1], [0, 0], now=0)
@@ -335,6 +396,15 @@ class ControllerHandle:
         self.send(CloseSessionReqInput(rid=rid, session_id=session_id))
         return sorted(self.ranks_of(rid, 2))
 
+    def open(self, session_id, timeout=None) -> list:
+        from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+        self._n += 1
+        rid = f"o{self._n}"
+        self.send(OpenSessionReqInput(rid=rid, capacity_of_str_len=1024,
+                                      session_id=session_id, timeout=timeout))
+        return sorted(self.ranks_of(rid, 2))
+
     def rank_of(self, rid: str) -> int:
         return self.ranks_of(rid, 1)[0]
 
@@ -504,7 +574,29 @@ def test_real_controller_close_and_overload(affinity_controller):
     assert [h.generate(classic="classic-2") for _ in range(2)] == [c, c]
 
 
+def test_real_controller_open_timeout_ends_the_binding(affinity_controller):
+    h = affinity_controller
+    # /open_session still reaches every rank; its timeout (0.5 s, no server
+    # TTL here) becomes the binding's.
+    assert h.open("timed", timeout=0.5) == [0, 1]
+    assert h.open("untimed") == [0, 1]
+    h.set_loads([1000, 1000])
+    t, u = h.generate("timed"), h.generate("untimed")
+    loads = [0, 0]
+    loads[t] = 5000  # heavier, not busy: a live binding stays
+    h.set_loads(loads)
+    assert h.generate("timed") == t
+    time.sleep(0.7)
+    # Idle past its own timeout: bound anew, to the lighter rank.
+    assert h.generate("timed") == 1 - t
+    loads = [0, 0]
+    loads[u] = 5000
+    h.set_loads(loads)
+    assert h.generate("untimed") == u  # no timeout, no TTL: still bound
+
+
 def test_real_controller_affinity_disabled_is_stock_round_robin(stock_controller):
     h = stock_controller
     assert [h.generate("a") for _ in range(4)] == [0, 1, 0, 1]
     assert h.close("a") == [0, 1]
+    assert h.open("a", timeout=1.0) == [0, 1]
