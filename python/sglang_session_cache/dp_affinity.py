@@ -101,7 +101,9 @@ class SessionAffinity:
         self.min_load = min_load
         self.counters = AffinityCounters()
         # Bindings under the shared TTL, those with a timeout of their own,
-        # and kept ones, each ordered by last use.
+        # and kept ones, each ordered by last use (a binding whose timeout
+        # arrives after it was bound joins the timed table at its end; only
+        # the cap reads that order, and the heap decides expiry).
         self._bindings: "OrderedDict[str, _Binding]" = OrderedDict()
         self._timed: "OrderedDict[str, _Binding]" = OrderedDict()
         self._kept: "OrderedDict[str, _Binding]" = OrderedDict()
