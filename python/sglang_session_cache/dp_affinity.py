@@ -72,10 +72,10 @@ class _Binding:
     # time its live heap entry was pushed with (older entries are stale).
     __slots__ = ("rank", "last", "ttl", "due")
 
-    def __init__(self, rank: int, last: float, ttl: Optional[float] = None):
+    def __init__(self, rank: int, last: float):
         self.rank = rank
         self.last = last
-        self.ttl = ttl
+        self.ttl = None  # set with the timed table (SessionAffinity._time)
         self.due = None
 
 
@@ -185,13 +185,14 @@ class SessionAffinity:
             self._count(old.rank, -1)
             self.counters.evicted += 1
         b = _Binding(rank, now)
-        timeout = None if keep else self._timeouts.get(session_id)
         if keep:
             self._kept[session_id] = b
-        elif timeout is not None:
-            self._time(session_id, b, timeout)
         else:
-            self._bindings[session_id] = b
+            timeout = self._timeouts.get(session_id)
+            if timeout is None:
+                self._bindings[session_id] = b
+            else:
+                self._time(session_id, b, timeout)
         self._count(rank, +1)
 
     def _oldest_expiring(self) -> Optional[OrderedDict]:

@@ -152,7 +152,7 @@ class SessionDPRouter:
         """``/open_session``: a top-level ``session_id`` session opened with
         a ``timeout`` expires by it on the ranks, so its binding does too."""
         try:
-            sid, timeout = msg.session_id, getattr(msg, "timeout", None)
+            sid, timeout = msg.session_id, msg.timeout
             if isinstance(sid, str) and timeout is not None and not msg.streaming:
                 from sglang_session_cache.session_ttl import normalize_ttl
 
