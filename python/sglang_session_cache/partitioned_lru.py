@@ -63,7 +63,7 @@ class PartitionedLRUList(UnifiedLRUList):
     def _add_node(self, node: UnifiedTreeNode):
         pt = self._pt
         self._clock += 1
-        stamps = node.__dict__.get("lru_stamp")
+        stamps = node.lru_stamp  # class default None (apply_unified_cache)
         if stamps is None:
             stamps = node.lru_stamp = [0] * len(node.lru_prev)
         stamps[pt] = self._clock
@@ -237,7 +237,7 @@ class PartitionedLRUList(UnifiedLRUList):
                     errors.append(f"[{label}][{ct}] cycle at node {x.id}")
                     break
                 seen.add(x.id)
-                stamps = x.__dict__.get("lru_stamp")
+                stamps = x.lru_stamp
                 stamp = stamps[pt] if stamps is not None else None
                 if stamp is None:
                     errors.append(f"[{label}][{ct}] node {x.id} has no recency stamp")

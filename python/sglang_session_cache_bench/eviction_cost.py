@@ -9,7 +9,10 @@ alternately, eviction by eviction, and each cell's ratio is the median of the
 paired on/off ratios, so machine drift cancels out.  Two pairs
 of trees serve the three fractions of a size (``_cells``); evictions are
 timed in process CPU time; torch runs one intra-op thread (as in the agentic
-benchmark).
+benchmark).  SWA and Mamba cells also time the whole ``cache.evict`` call
+the scheduler makes when only that pool runs short (0.5.16 rebuilds FULL's
+leaf heap on it too): what an eviction costs a server, next to the walk
+that isolates the session work.
 
     python -m sglang_session_cache_bench.eviction_cost [--nodes 10000,100000]
         [--components full,swa,mamba] [--warmup 1200]
@@ -138,6 +141,40 @@ def evict_once(h, kind: str, clock=time.process_time) -> float:
     return clock() - start
 
 
+def evict_call_once(h, kind: str, clock=time.process_time) -> float:
+    """Seconds for one whole ``cache.evict`` call asking SWA (or Mamba) for a
+    single token (state) and FULL for none: the call the scheduler makes
+    when only that pool runs short.  0.5.16 runs every component's drive on
+    every call, so FULL's leaf heap is rebuilt here too (O(leaves))."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if kind == "mamba":
+        params = EvictParams(num_tokens=0, mamba_num=1)
+    else:
+        params = EvictParams(num_tokens=0, swa_num_tokens=1)
+    cache = h.cache
+    start = clock()
+    cache.evict(params)
+    return clock() - start
+
+
+def _paired(off, on, pairs: int, timed) -> tuple:
+    """``pairs`` alternating off/on timings (who goes first alternates):
+    the off times, the on times and the paired on/off ratios."""
+    offs, ons, ratios = [], [], []
+    for i in range(pairs):
+        if i % 2:
+            b = timed(on)
+            a = timed(off)
+        else:
+            a = timed(off)
+            b = timed(on)
+        offs.append(a)
+        ons.append(b)
+        ratios.append(b / a)
+    return offs, ons, ratios
+
+
 def evict_untimed(h, kind: str, n_leaves: int) -> None:
     """Evict about ``n_leaves`` leaves in one call (each leaf holds two
     tokens of its own; Mamba counts states)."""
@@ -200,6 +237,10 @@ def _cells(kind: str, n: int, rounds: int, seed: int, gc, warmup: int = WARMUP) 
     # (IQR 0.7-1.5 with 100 pairs), so it gets as many as SWA and Mamba.
     pairs = rounds * (4 if kind == "full" and n >= 50_000 else 100)
     pairs = max(4, min(pairs, n // 10))
+    # SWA / Mamba also time the whole evict() call, which rebuilds FULL's
+    # heap (O(leaves)): FULL's pair count.
+    call_pairs = 0 if kind == "full" else max(
+        4, min(rounds * (4 if n >= 50_000 else 100), n // 10))
     warmup = min(warmup, n // 10)
     rows = []
     for fractions in ((0.0, 1.0), (0.5,)):
@@ -208,12 +249,14 @@ def _cells(kind: str, n: int, rounds: int, seed: int, gc, warmup: int = WARMUP) 
         on, _ = build(kind, n, enable_session=True)
         _log(f"[{kind} n={n}] built two trees in {time.perf_counter() - t0:.1f}s")
         for frac in fractions:
-            rows.append(_cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup))
+            rows.append(_cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup,
+                              call_pairs))
         del off, on
     return sorted(rows, key=lambda r: r["referenced_fraction"])
 
 
-def _cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup=WARMUP) -> dict:
+def _cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup=WARMUP,
+          call_pairs: int = 0) -> dict:
     t0 = time.perf_counter()
     referenced = reference(on, leaves, frac, seed)
     for h in (off, on):
@@ -223,18 +266,9 @@ def _cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup=WARMUP) -> dic
     # on one side.
     gc.collect()
     gc.freeze()
-    offs, ons, ratios = [], [], []
     try:
-        for i in range(pairs):
-            if i % 2:  # alternate who goes first
-                b = evict_once(on, kind)
-                a = evict_once(off, kind)
-            else:
-                a = evict_once(off, kind)
-                b = evict_once(on, kind)
-            offs.append(a)
-            ons.append(b)
-            ratios.append(b / a)
+        offs, ons, ratios = _paired(off, on, pairs, lambda h: evict_once(h, kind))
+        calls = _paired(off, on, call_pairs, lambda h: evict_call_once(h, kind))
     finally:
         gc.unfreeze()
     on.cache.validate_session_state()
@@ -254,8 +288,17 @@ def _cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup=WARMUP) -> dic
         "pairs": pairs,
         "warmup": warmup,
     }
+    if call_pairs:
+        call_off, call_on, call_ratios = calls
+        row.update({
+            "call_off_us": statistics.median(call_off) * 1e6,
+            "call_on_us": statistics.median(call_on) * 1e6,
+            "call_ratio": statistics.median(call_ratios),
+            "call_pairs": call_pairs,
+        })
+    call = f", evict() call {row['call_ratio']:.2f}" if call_pairs else ""
     _log(f"[{kind} n={n} ref={frac:.0%}] off {row['off_us']:.0f}us "
-         f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f} "
+         f"on {row['on_us']:.0f}us ratio {row['ratio']:.2f}{call} "
          f"({time.perf_counter() - t0:.1f}s)")
     return row
 
@@ -263,18 +306,26 @@ def _cell(kind, n, frac, off, on, leaves, pairs, seed, gc, warmup=WARMUP) -> dic
 def format_table(rows: list[dict]) -> str:
     lines = [
         "Per-eviction cost, session cache off vs on (on/off: median of paired ratios; "
-        "total: sum on / sum off)",
+        "total: sum on / sum off).  FULL times the whole cache.evict call; SWA and "
+        "Mamba their LRU walk, and under 'evict() call' the whole call the scheduler "
+        "makes (FULL's heap rebuilt too)",
         f"{'component':<10}{'nodes':>8}{'ref %':>7}{'off us':>11}{'on us':>11}"
-        f"{'on/off':>8}{'IQR':>13}{'total':>7}{'pairs':>7}",
+        f"{'on/off':>8}{'IQR':>13}{'total':>7}{'pairs':>7}"
+        f"{'evict() call on/off':>21}",
     ]
     for r in rows:
+        call = (f"{r['call_ratio']:>12.2f} ({r['call_pairs']})" if "call_ratio" in r
+                else f"{'(same)':>12}")
         lines.append(
             f"{r['component']:<10}{r['nodes']:>8}{r['referenced_fraction']*100:>6.0f}%"
             f"{r['off_us']:>11.1f}{r['on_us']:>11.1f}{r['ratio']:>8.2f}"
             f"{r['ratio_q1']:>7.2f}-{r['ratio_q3']:<5.2f}{r['total_ratio']:>7.2f}{r['pairs']:>7}"
+            f"{call:>21}"
         )
     worst = max(r["ratio"] for r in rows)
     lines.append(f"worst cell on/off: {worst:.2f} (target <= 1.10)")
+    calls = [r.get("call_ratio", r["ratio"]) for r in rows]
+    lines.append(f"worst cell per evict() call as the scheduler makes it: {max(calls):.2f}")
     return "\n".join(lines)
 
 
