@@ -221,6 +221,14 @@ def run(nodes=(10_000, 100_000), kinds=("full", "swa", "mamba"), rounds=5, seed=
     return rows
 
 
+def _pair_count(rounds: int, n: int, whole_call: bool) -> int:
+    """Timed pairs for one cell: a whole-tree evict() call (FULL's walk, or
+    SWA/Mamba's call that rebuilds FULL's heap) costs O(leaves), ~0.1 s at
+    100k, so large trees get few; at most a tenth of the leaves, at least 4."""
+    per_round = 4 if whole_call and n >= 50_000 else 100
+    return max(4, min(rounds * per_round, n // 10))
+
+
 def _cells(kind: str, n: int, rounds: int, seed: int, gc, warmup: int = WARMUP) -> list[dict]:
     """The three referenced fractions of one (component, size) on two pairs
     of identical trees: one pair serves 0 % and then 100 % (references are
@@ -235,12 +243,10 @@ def _cells(kind: str, n: int, rounds: int, seed: int, gc, warmup: int = WARMUP) 
     # gives one ratio.  FULL costs O(leaves) per call: at 100k a call is
     # ~0.1 s and fewer pairs do; at 10k its paired ratios spread widely
     # (IQR 0.7-1.5 with 100 pairs), so it gets as many as SWA and Mamba.
-    pairs = rounds * (4 if kind == "full" and n >= 50_000 else 100)
-    pairs = max(4, min(pairs, n // 10))
+    pairs = _pair_count(rounds, n, whole_call=kind == "full")
     # SWA / Mamba also time the whole evict() call, which rebuilds FULL's
     # heap (O(leaves)): FULL's pair count.
-    call_pairs = 0 if kind == "full" else max(
-        4, min(rounds * (4 if n >= 50_000 else 100), n // 10))
+    call_pairs = 0 if kind == "full" else _pair_count(rounds, n, whole_call=True)
     warmup = min(warmup, n // 10)
     rows = []
     for fractions in ((0.0, 1.0), (0.5,)):

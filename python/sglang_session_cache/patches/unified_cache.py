@@ -419,13 +419,12 @@ def apply_unified_cache(module) -> None:
         # Read-only alias, so the two names can never disagree.
         cls.session_refs = property(_session_refs)
     if not hasattr(module.UnifiedTreeNode, "full_session_ref"):
-        # FULL's session count mirrored on the node for the eviction heap.
-        module.UnifiedTreeNode.full_session_ref = 0
-    if not hasattr(module.UnifiedTreeNode, "lru_stamp"):
-        # The partitioned LRU's recency stamps (partitioned_lru.py), read
-        # through this default until a node is first listed.  Never through
+        # FULL's session count mirrored on the node for the eviction heap,
+        # and the partitioned LRU's recency stamp (partitioned_lru.py), read
+        # through these defaults until a node first sets them.  Never through
         # ``node.__dict__``: that too gives the node a real dict (see
         # share_instance_keys).
+        module.UnifiedTreeNode.full_session_ref = 0
         module.UnifiedTreeNode.lru_stamp = None
         share_instance_keys(module.UnifiedTreeNode, ("full_session_ref", "lru_stamp"))
     wrap_method(cls, "__init__", _wrap_init)
