@@ -52,7 +52,6 @@ is closed right after its last turn (``workload_modes`` can drop the closes).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -64,7 +63,7 @@ from sglang_session_cache_bench.trace import (
     TraceRequest,
     _check_session_id,
     _type_name,
-    open_trace,
+    json_lines,
 )
 
 DEFAULT_BLOCK_SIZE = 512
@@ -157,25 +156,13 @@ def _parse_line(obj, lineno: int, trace_block_size: int, last_time: dict) -> _Li
 
 
 def _read_lines(path: str, trace_block_size: int) -> list:
-    fh = open_trace(path)
     lines: list = []
     last_time: dict = {}
-    with fh:
+    for lineno, obj in json_lines(path):
         try:
-            for lineno, raw in enumerate(fh, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as exc:
-                    raise TraceError(f"{path}: line {lineno}: invalid JSON: {exc.msg} "
-                                     f"(column {exc.colno})") from None
-                try:
-                    lines.append(_parse_line(obj, lineno, trace_block_size, last_time))
-                except TraceError as exc:
-                    raise TraceError(f"{path}: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise TraceError(f"{path}: not UTF-8 text: {exc.reason}") from None
+            lines.append(_parse_line(obj, lineno, trace_block_size, last_time))
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
     if not lines:
         raise TraceError(f"{path}: the trace has no requests")
     return lines
@@ -319,21 +306,10 @@ def read_mooncake(path: str, block_size: int = DEFAULT_BLOCK_SIZE,
 def detect_format(path: str) -> str:
     """``"mooncake"`` or ``"jsonl"`` from the first non-blank line; raises
     ``TraceError`` when that line does not tell."""
-    fh = open_trace(path)
-    with fh:
-        try:
-            for lineno, raw in enumerate(fh, start=1):
-                if raw.strip():
-                    break
-            else:
-                raise TraceError(f"{path}: the trace has no requests")
-        except UnicodeDecodeError as exc:
-            raise TraceError(f"{path}: not UTF-8 text: {exc.reason}") from None
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"{path}: line {lineno}: invalid JSON: {exc.msg} "
-                         f"(column {exc.colno})") from None
+    for lineno, obj in json_lines(path):
+        break
+    else:
+        raise TraceError(f"{path}: the trace has no requests")
     if not isinstance(obj, dict):
         raise TraceError(f"{path}: line {lineno}: expected a JSON object, got {_type_name(obj)}")
     mooncake = {"hash_ids", "input_length"} & obj.keys()

@@ -366,13 +366,11 @@ def open_trace(path: str):
         raise TraceError(f"{path}: cannot open trace: {exc.strerror or exc}") from None
 
 
-def read_jsonl(path: str) -> Trace:
-    """Read a JSONL trace (format in the module docstring)."""
+def json_lines(path: str):
+    """``(line number, parsed object)`` for each non-blank line of a trace
+    file; ``TraceError`` naming the file and line for text that is not UTF-8
+    or a line that is not JSON."""
     fh = open_trace(path)
-    fresh = iter(range(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + (1 << 62)))
-    events: list = []
-    turns: dict = {}
-    clock = 0.0
     with fh:
         try:
             for lineno, raw in enumerate(fh, start=1):
@@ -385,29 +383,39 @@ def read_jsonl(path: str) -> Trace:
                         f"{path}: line {lineno}: invalid JSON: {exc.msg} "
                         f"(column {exc.colno})"
                     ) from None
-                try:
-                    ev = parse_event(obj, lineno, fresh)
-                except TraceError as exc:
-                    raise TraceError(f"{path}: {exc}") from None
-                # Lines without a time happen when the previous line did;
-                # times may not go backwards (the replay is in file order).
-                if ev.time is None:
-                    ev.time = clock
-                elif ev.time < clock:
-                    raise TraceError(
-                        f"{path}: line {lineno}: 'time' {ev.time:g} is before the "
-                        f"previous line's {clock:g} (lines replay in file order)")
-                clock = ev.time
-                if isinstance(ev, TraceRequest) and ev.session_id is not None:
-                    turns[ev.session_id] = turns.get(ev.session_id, 0) + 1
-                    ev.turn = turns[ev.session_id]
-                elif isinstance(ev, TraceClose):
-                    turns.pop(ev.session_id, None)
-                if isinstance(ev, TraceRequest) and ev.close:
-                    turns.pop(ev.session_id, None)
-                events.append(ev)
+                yield lineno, obj
         except UnicodeDecodeError as exc:
             raise TraceError(f"{path}: not UTF-8 text: {exc.reason}") from None
+
+
+def read_jsonl(path: str) -> Trace:
+    """Read a JSONL trace (format in the module docstring)."""
+    fresh = iter(range(FRESH_TOKEN_BASE, FRESH_TOKEN_BASE + (1 << 62)))
+    events: list = []
+    turns: dict = {}
+    clock = 0.0
+    for lineno, obj in json_lines(path):
+        try:
+            ev = parse_event(obj, lineno, fresh)
+        except TraceError as exc:
+            raise TraceError(f"{path}: {exc}") from None
+        # Lines without a time happen when the previous line did;
+        # times may not go backwards (the replay is in file order).
+        if ev.time is None:
+            ev.time = clock
+        elif ev.time < clock:
+            raise TraceError(
+                f"{path}: line {lineno}: 'time' {ev.time:g} is before the "
+                f"previous line's {clock:g} (lines replay in file order)")
+        clock = ev.time
+        if isinstance(ev, TraceRequest) and ev.session_id is not None:
+            turns[ev.session_id] = turns.get(ev.session_id, 0) + 1
+            ev.turn = turns[ev.session_id]
+        elif isinstance(ev, TraceClose):
+            turns.pop(ev.session_id, None)
+        if isinstance(ev, TraceRequest) and ev.close:
+            turns.pop(ev.session_id, None)
+        events.append(ev)
     if not any(isinstance(e, TraceRequest) for e in events):
         raise TraceError(f"{path}: the trace has no requests")
     return Trace(events, source=path)
