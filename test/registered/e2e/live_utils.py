@@ -76,6 +76,19 @@ def run_session(url: str, sid: str, first: List[int], turns: int, rng: random.Ra
     return records
 
 
+#: The previous turn's last output token has KV only if SGLang had already
+#: prepared one more decode step for the request when it finished
+#: (``kv_committed_len``, ``ScheduleBatch.prepare_for_decode``), which
+#: depends on how requests were batched: concurrent sessions see it vary.
+LAST_TOKEN_SLACK = 1
+
+
+def reuses_previous_turn(rec: dict) -> bool:
+    """Whether a ``run_session`` turn's cache hit covers the previous turn's
+    prompt and output (up to that last token)."""
+    return rec["cached"] >= rec["prev_total"] - LAST_TOKEN_SLACK
+
+
 def metric_values(url: str, name: str) -> List[float]:
     text = requests.get(url + "/metrics", timeout=30).text
     return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
