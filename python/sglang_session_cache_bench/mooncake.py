@@ -52,6 +52,7 @@ is closed right after its last turn (``workload_modes`` can drop the closes).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -306,10 +307,11 @@ def read_mooncake(path: str, block_size: int = DEFAULT_BLOCK_SIZE,
 def detect_format(path: str) -> str:
     """``"mooncake"`` or ``"jsonl"`` from the first non-blank line; raises
     ``TraceError`` when that line does not tell."""
-    for lineno, obj in json_lines(path):
-        break
-    else:
+    with contextlib.closing(json_lines(path)) as lines:  # the first line only
+        first = next(lines, None)
+    if first is None:
         raise TraceError(f"{path}: the trace has no requests")
+    lineno, obj = first
     if not isinstance(obj, dict):
         raise TraceError(f"{path}: line {lineno}: expected a JSON object, got {_type_name(obj)}")
     mooncake = {"hash_ids", "input_length"} & obj.keys()
