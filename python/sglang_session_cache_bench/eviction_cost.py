@@ -110,6 +110,18 @@ def reference(h, leaves, fraction: float, seed: int = 0) -> int:
     return count
 
 
+def _one_victim_params(kind: str):
+    """``EvictParams`` asking the timed component for a single token (Mamba:
+    a single state), and the other pools for nothing."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    if kind == "full":
+        return EvictParams(num_tokens=1)
+    if kind == "mamba":
+        return EvictParams(num_tokens=0, mamba_num=1)
+    return EvictParams(num_tokens=0, swa_num_tokens=1)
+
+
 def evict_once(h, kind: str, clock=time.process_time) -> float:
     """Seconds for one single-token eviction, in process CPU time (a shared
     box preempts a millisecond-long FULL eviction now and then; CPU time
@@ -119,22 +131,13 @@ def evict_once(h, kind: str, clock=time.process_time) -> float:
     every call). SWA / Mamba: that component's LRU walk alone —
     ``cache.evict`` would also rebuild the FULL heap, which would hide the
     walk's cost."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    cache = h.cache
     if kind == "full":
-        params = EvictParams(num_tokens=1)
-        start = clock()
-        cache.evict(params)
-        return clock() - start
+        return evict_call_once(h, kind, clock)
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
 
-    if kind == "mamba":
-        comp = cache.components[ComponentType.MAMBA]
-        params = EvictParams(num_tokens=0, mamba_num=1)
-    else:
-        comp = cache.components[ComponentType.SWA]
-        params = EvictParams(num_tokens=0, swa_num_tokens=1)
+    cache = h.cache
+    comp = cache.components[ComponentType.MAMBA if kind == "mamba" else ComponentType.SWA]
+    params = _one_victim_params(kind)
     tracker = {ct: 0 for ct in cache.tree_components}
     start = clock()
     comp.drive_eviction(params, tracker)
@@ -142,16 +145,12 @@ def evict_once(h, kind: str, clock=time.process_time) -> float:
 
 
 def evict_call_once(h, kind: str, clock=time.process_time) -> float:
-    """Seconds for one whole ``cache.evict`` call asking SWA (or Mamba) for a
-    single token (state) and FULL for none: the call the scheduler makes
-    when only that pool runs short.  0.5.16 runs every component's drive on
-    every call, so FULL's leaf heap is rebuilt here too (O(leaves))."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    if kind == "mamba":
-        params = EvictParams(num_tokens=0, mamba_num=1)
-    else:
-        params = EvictParams(num_tokens=0, swa_num_tokens=1)
+    """Seconds for one whole ``cache.evict`` call asking one component for a
+    single token (state) and the others for none; for SWA / Mamba the call
+    the scheduler makes when only that pool runs short.  0.5.16 runs every
+    component's drive on every call, so FULL's leaf heap is rebuilt here too
+    (O(leaves))."""
+    params = _one_victim_params(kind)
     cache = h.cache
     start = clock()
     cache.evict(params)
