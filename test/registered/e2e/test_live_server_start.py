@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from sglang_session_cache_bench.live_server import (PORT_CLASH_RETRIES, LaunchedServer,
-                                                      ServerStartError)
+                                                      ServerStartError, free_port)
 
 
 def _fake_python(tmp_path, starts_file):
@@ -54,3 +54,10 @@ def test_a_port_the_caller_chose_is_never_changed(tmp_path):
         server.wait_ready(timeout=60)
     assert server.port == 1 and starts.read_text().count("start") == 1
     assert not server.alive()
+
+
+def test_a_fresh_port_is_never_one_already_tried():
+    # The kernel may hand back a port it gave before when nothing bound it
+    # (the fake above never binds), which once made a retry reuse its port.
+    tried = {free_port() for _ in range(20)}
+    assert all(free_port(avoid=tried) not in tried for _ in range(200))
