@@ -54,15 +54,19 @@ PORT_CLASH_RETRIES = 2
 _PORT_CLASH = "address already in use"  # uvicorn, ZMQ and torch all say it
 
 
-def free_port(avoid: Iterable[int] = ()) -> int:
-    """A port free now, not one of ``avoid`` (the kernel may hand back a port
-    it gave before, and a retry after a clash must not land on a tried one)."""
-    avoid = set(avoid)
+_HANDED_OUT: set = set()
+
+
+def free_port() -> int:
+    """A port free now and not handed out before by this process: the kernel
+    may give back a port nothing has bound yet, so two servers (or a router
+    and its metrics port, or a retry after a clash) could otherwise share one."""
     while True:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in avoid:
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
             return port
 
 
@@ -138,7 +142,6 @@ class LaunchedServer:
         # (ours, or the NCCL port SGLang picks the same way): such a start is
         # retried on fresh ports. A port the caller chose is never changed.
         self._port_retries = 0 if port else PORT_CLASH_RETRIES
-        self._tried_ports = {self.port}
         self.python = python
         self.name = name or f"{self.kind or 'model'}-{'on' if session_cache else 'off'}"
         if log_path is None:
@@ -217,8 +220,7 @@ class LaunchedServer:
                 sys.stderr.write(f"[live_server] {self.name}: port {self.port} (or one "
                                  "SGLang picked) was taken; restarting on a fresh port\n")
                 self.stop()
-                self.proc, self.port = None, free_port(avoid=self._tried_ports)
-                self._tried_ports.add(self.port)
+                self.proc, self.port = None, free_port()
                 self.start()
                 deadline = time.monotonic() + timeout
                 continue
