@@ -83,10 +83,10 @@ def run_session(url: str, sid: str, first: List[int], turns: int, rng: random.Ra
 LAST_TOKEN_SLACK = 1
 
 
-def reuses_previous_turn(rec: dict) -> bool:
-    """Whether a ``run_session`` turn's cache hit covers the previous turn's
-    prompt and output (up to that last token)."""
-    return rec["cached"] >= rec["prev_total"] - LAST_TOKEN_SLACK
+def reuses_previous_turn(cached: int, prev_total: int) -> bool:
+    """Whether a turn's ``cached`` tokens cover the previous turn's prompt and
+    output, ``prev_total`` tokens (up to that last token)."""
+    return cached >= prev_total - LAST_TOKEN_SLACK
 
 
 def metric_values(url: str, name: str) -> List[float]:

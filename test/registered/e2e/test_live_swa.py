@@ -44,7 +44,7 @@ def test_multi_turn_session_reuses_previous_prompt_and_output(servers):
     recs = run_session(url, "multi", [3] + tokens(random.Random(1), 150), turns=4,
                        rng=random.Random(2), grow=MELLUM_SLIDING_WINDOW)
     for r in recs[1:]:
-        assert reuses_previous_turn(r), recs
+        assert reuses_previous_turn(r["cached"], r["prev_total"]), recs
     assert close(url, "multi").status_code == 200
 
 
