@@ -270,7 +270,7 @@ def run_urls(args, trace: Trace) -> List[dict]:
 
 
 def run_launch(args, trace: Trace) -> List[dict]:
-    from sglang_session_cache_bench.live_server import LaunchedServer, start_all
+    from sglang_session_cache_bench.live_server import LaunchedServer, start_all, stop_all
 
     rows = []
     kinds = {"FULL": "llama", "FULL+SWA": "mellum"}
@@ -289,8 +289,7 @@ def run_launch(args, trace: Trace) -> List[dict]:
                 rows.append({"url": s.url, "shape": shape, "session": "on" if s.session_cache else "off",
                              "model": kinds[shape], "max_total_tokens": args.pool, "result": res})
         finally:
-            for s in servers:
-                s.stop()
+            stop_all(servers)
     return rows
 
 

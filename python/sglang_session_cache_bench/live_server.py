@@ -260,24 +260,18 @@ class LaunchedServer:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM the process group, then SIGKILL what is left after ``timeout``."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid  # group leader: start_new_session made pgid == pid
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                if self.proc.poll() is not None and not _group_alive(pgid):
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
-        if self.proc.poll() is None:
-            self.proc.wait(timeout=5)
+        stop_all([self], timeout)
+
+    def _signal(self, sig) -> bool:
+        """Send ``sig`` to the server's process group; False once it is gone."""
+        try:
+            os.killpg(self.proc.pid, sig)  # group leader: start_new_session made pgid == pid
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _gone(self) -> bool:
+        return self.proc.poll() is not None and not _group_alive(self.proc.pid)
 
     def __enter__(self) -> "LaunchedServer":
         return self.start()
@@ -296,6 +290,25 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def stop_all(servers: Iterable[LaunchedServer], timeout: float = 20.0) -> None:
+    """Stop several servers together: every group gets SIGTERM before any is
+    waited for, so their shutdowns (seconds each) overlap; SIGKILL what is
+    left after ``timeout``."""
+    started = [s for s in servers if s.proc is not None]
+    live = started
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        live = [s for s in live if s._signal(sig)]
+        end = time.monotonic() + wait
+        while live and time.monotonic() < end:
+            time.sleep(0.2)
+            live = [s for s in live if not s._gone()]
+        if not live:
+            break
+    for s in started:
+        if s.proc.poll() is None:
+            s.proc.wait(timeout=5)
+
+
 def start_all(servers: Iterable[LaunchedServer], timeout: float = DEFAULT_STARTUP_TIMEOUT_S):
     """Start every server at once, then wait for each; on failure stop them all."""
     servers = list(servers)
@@ -305,8 +318,7 @@ def start_all(servers: Iterable[LaunchedServer], timeout: float = DEFAULT_STARTU
         for s in servers:
             s.wait_ready(timeout)
     except BaseException:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         raise
     return servers
 

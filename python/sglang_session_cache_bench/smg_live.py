@@ -37,7 +37,7 @@ from typing import Optional
 
 from sglang_session_cache.close_fanout import close_everywhere, router_workers
 from sglang_session_cache_bench.live_server import (LaunchedServer, flush_cache, free_port,
-                                                    start_all)
+                                                    start_all, stop_all)
 from sglang_session_cache_bench.tiny_models import VOCAB_SIZE
 from sglang_session_cache_bench.trace import GeneratorConfig, TraceClose, generate_trace
 
@@ -244,8 +244,7 @@ def main(argv: Optional[list] = None) -> int:
             if "Traceback" in s.log_text():
                 _log(f"{s.name}: Traceback in server log:\n{s.log_tail()}")
     finally:
-        for s in servers:
-            s.stop()
+        stop_all(servers)
     print(f"trace: {trace.summary()['requests']} requests, "
           f"{trace.summary()['sessions']} sessions; 2 tiny CPU workers (session cache on)")
     print("hit = cached_tokens / prompt tokens; split = sessions served by more than one worker")

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from sglang_session_cache_bench.live_server import (DEFAULT_STARTUP_TIMEOUT_S, LaunchedServer,
-                                                      flush_cache, start_all)
+                                                      flush_cache, start_all, stop_all)
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -25,8 +25,7 @@ def module_servers(request, servers: Dict[str, LaunchedServer], allow_traceback=
     start_all(servers.values(), timeout=startup_timeout)
 
     def finish():
-        for s in servers.values():
-            s.stop()
+        stop_all(servers.values())
         problems = []
         for name, s in servers.items():
             text = s.log_text()

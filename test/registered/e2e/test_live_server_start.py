@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from sglang_session_cache_bench.live_server import (PORT_CLASH_RETRIES, LaunchedServer,
-                                                      ServerStartError, free_port)
+                                                      ServerStartError, free_port, stop_all)
 
 
 def _fake_python(tmp_path, starts_file):
@@ -61,3 +61,54 @@ def test_a_port_is_never_handed_out_twice():
     # binds), which once made a clash retry land on the port it had tried.
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def _slow_to_stop(tmp_path, name, events, on_term):
+    """A fake "python" that logs when SIGTERM arrives, then ``on_term`` (a
+    shell command) before exiting, as an SGLang server takes seconds to."""
+    script = tmp_path / f"fake-{name}"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        trap 'echo term {name} >> {events}; {on_term}; echo exit {name} >> {events}; exit 0' TERM
+        echo ready >> {events}.{name}
+        while :; do sleep 0.1; done
+        """))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    return LaunchedServer("/no/model", python=str(script), name=name,
+                          log_path=tmp_path / f"{name}.log")
+
+
+def _wait_started(servers, events):
+    import time
+    for s in servers:
+        s.start()
+    for s in servers:
+        ready = events.parent / f"{events.name}.{s.name}"
+        for _ in range(200):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+
+
+def test_stop_all_overlaps_the_shutdowns(tmp_path):
+    # Every server hears SIGTERM before any shutdown is waited for: the E2E
+    # modules stop two to four servers that take seconds each to exit.
+    events = tmp_path / "events"
+    servers = [_slow_to_stop(tmp_path, n, events, "sleep 2") for n in ("a", "b")]
+    _wait_started(servers, events)
+    stop_all(servers)
+    lines = events.read_text().split()
+    order = [lines[i] for i in range(0, len(lines), 2)]
+    assert order[:2] == ["term", "term"] and order[2:] == ["exit", "exit"], lines
+    assert not any(s.alive() for s in servers)
+
+
+def test_stop_all_kills_what_ignores_sigterm(tmp_path):
+    events = tmp_path / "events"
+    stubborn = _slow_to_stop(tmp_path, "stubborn", events, "sleep 120")
+    never_started = LaunchedServer("/no/model", name="never", log_path=tmp_path / "n.log")
+    _wait_started([stubborn], events)
+    stop_all([stubborn, never_started], timeout=0.5)
+    assert not stubborn.alive() and stubborn.proc.returncode == -9
+    assert never_started.proc is None
+    assert "exit" not in events.read_text()
