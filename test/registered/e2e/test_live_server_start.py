@@ -112,3 +112,12 @@ def test_stop_all_kills_what_ignores_sigterm(tmp_path):
     assert not stubborn.alive() and stubborn.proc.returncode == -9
     assert never_started.proc is None
     assert "exit" not in events.read_text()
+
+
+def test_servers_sleep_when_idle_unless_asked_not_to(tmp_path):
+    # An idle CPU scheduler busy-polls a whole core without the flag, which
+    # starved the server under test next to the ones a module keeps waiting.
+    asleep = LaunchedServer("/no/model", port=1, log_path=tmp_path / "a.log")
+    awake = LaunchedServer("/no/model", port=1, log_path=tmp_path / "b.log", sleep_on_idle=False)
+    assert "--sleep-on-idle" in asleep.command("/no/model")
+    assert "--sleep-on-idle" not in awake.command("/no/model")
