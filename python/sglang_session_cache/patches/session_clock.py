@@ -10,7 +10,9 @@ sessions at the same point of the same step.
 
 Only with ``--enable-session-radix-cache``; otherwise both wrappers are one
 attribute check in front of SGLang's code.  A tick goes with every batch that
-carries requests and at least every ``TICK_INTERVAL_S`` otherwise.
+carries requests and at least every ``TICK_INTERVAL_S`` otherwise (with
+``--sleep-on-idle`` an idle scheduler waits up to a second for a message
+between polls: ticks then come about a second apart).
 """
 
 from __future__ import annotations
