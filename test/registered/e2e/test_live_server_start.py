@@ -4,6 +4,7 @@ a DP worker's port is taken (it waits for the worker forever)."""
 
 import stat
 import textwrap
+import time
 
 import pytest
 
@@ -79,7 +80,6 @@ def _slow_to_stop(tmp_path, name, events, on_term):
 
 
 def _wait_started(servers, events):
-    import time
     for s in servers:
         s.start()
     for s in servers:
