@@ -1,6 +1,7 @@
-"""The E2E launcher's port-clash handling, without SGLang: a fake "python"
+"""The E2E launcher without SGLang: port-clash handling (a fake "python"
 that reports a bind failure and keeps running, as SGLang's parent does when
-a DP worker's port is taken (it waits for the worker forever)."""
+a DP worker's port is taken: it waits for the worker forever), stopping
+several servers together, and the flags every server gets."""
 
 import stat
 import textwrap
