@@ -272,17 +272,6 @@ class LaunchedServer:
         """SIGTERM the process group, then SIGKILL what is left after ``timeout``."""
         stop_all([self], timeout)
 
-    def _signal(self, sig) -> bool:
-        """Send ``sig`` to the server's process group; False once it is gone."""
-        try:
-            os.killpg(self.proc.pid, sig)  # group leader: start_new_session made pgid == pid
-        except ProcessLookupError:
-            return False
-        return True
-
-    def _gone(self) -> bool:
-        return self.proc.poll() is not None and not _group_alive(self.proc.pid)
-
     def __enter__(self) -> "LaunchedServer":
         return self.start()
 
@@ -300,23 +289,38 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_all(servers: Iterable[LaunchedServer], timeout: float = 20.0) -> None:
-    """Stop several servers together: every group gets SIGTERM before any is
+def _signal_group(proc: subprocess.Popen, sig) -> bool:
+    """Send ``sig`` to ``proc``'s process group; False once it is gone."""
+    try:
+        os.killpg(proc.pid, sig)  # group leader: start_new_session made pgid == pid
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_process_groups(procs: Iterable[subprocess.Popen], timeout: float = 20.0) -> None:
+    """Stop the process groups led by ``procs`` (each started with
+    ``start_new_session``) together: every group gets SIGTERM before any is
     waited for, so their shutdowns (seconds each) overlap; SIGKILL what is
     left after ``timeout``."""
-    started = [s for s in servers if s.proc is not None]
-    live = started
+    procs = list(procs)
+    live = procs
     for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        live = [s for s in live if s._signal(sig)]
+        live = [p for p in live if _signal_group(p, sig)]
         end = time.monotonic() + wait
         while live and time.monotonic() < end:
             time.sleep(0.2)
-            live = [s for s in live if not s._gone()]
+            live = [p for p in live if p.poll() is None or _group_alive(p.pid)]
         if not live:
             break
-    for s in started:
-        if s.proc.poll() is None:
-            s.proc.wait(timeout=5)
+    for p in procs:
+        if p.poll() is None:
+            p.wait(timeout=5)
+
+
+def stop_all(servers: Iterable[LaunchedServer], timeout: float = 20.0) -> None:
+    """Stop several servers together (``stop_process_groups``)."""
+    stop_process_groups([s.proc for s in servers if s.proc is not None], timeout)
 
 
 def start_all(servers: Iterable[LaunchedServer], timeout: float = DEFAULT_STARTUP_TIMEOUT_S):

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from typing import Optional
 
 from sglang_session_cache.close_fanout import close_everywhere, router_workers
 from sglang_session_cache_bench.live_server import (LaunchedServer, flush_cache, free_port,
-                                                    start_all, stop_all)
+                                                    start_all, stop_all, stop_process_groups)
 from sglang_session_cache_bench.tiny_models import VOCAB_SIZE
 from sglang_session_cache_bench.trace import GeneratorConfig, TraceClose, generate_trace
 
@@ -114,16 +113,8 @@ class Router:
         raise RuntimeError(f"smg did not list {n_workers} healthy workers; log {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=5)
+        if self.proc is not None:
+            stop_process_groups([self.proc], timeout=10)
 
 
 @dataclass
