@@ -89,6 +89,7 @@ def _wait_started(servers, events):
             if ready.exists():
                 break
             time.sleep(0.05)
+        assert ready.exists(), f"{s.name} did not start"
 
 
 def test_stop_all_overlaps_the_shutdowns(tmp_path):
@@ -99,7 +100,7 @@ def test_stop_all_overlaps_the_shutdowns(tmp_path):
     _wait_started(servers, events)
     stop_all(servers)
     lines = events.read_text().split()
-    order = [lines[i] for i in range(0, len(lines), 2)]
+    order = lines[::2]  # "term a", "term b", "exit a", ... -> the events
     assert order[:2] == ["term", "term"] and order[2:] == ["exit", "exit"], lines
     assert not any(s.alive() for s in servers)
 
