@@ -348,6 +348,9 @@ class RunStats:
     stream_digest: str = ""
     issues: list = field(default_factory=list)
     tracker: dict = field(default_factory=dict)
+    # The session metrics a server would export, read at the end of the
+    # trace: what protection learned (scale, return rate, first-turn rule).
+    session_metrics: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -525,6 +528,7 @@ def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: boo
     if tracker is not None:
         stats.tracker = dict(tracker.counters.__dict__)
         stats.tracker["open_at_end"] = len(tracker.open_sessions())
+        stats.session_metrics = cache.session_metrics()
     _check_drains(h, stats)
     return stats
 

@@ -141,6 +141,14 @@ def test_session_on_reuses_at_least_as_much_under_pressure(quick):
         # The tracker saw every session request and every close.
         assert on["tracker"]["registered"] > 0
         assert on["tracker"]["closed"] == on["closes"]
+        # What a server would export at the end of the trace: the learned
+        # protection (a share of the pool up to the 0.9 ceiling) and the
+        # lifecycle counters, matching the tracker's.
+        metrics = on["session_metrics"]
+        assert 0.0 <= metrics["effective_protected_fraction"] <= 0.9
+        assert metrics["registered"] == on["tracker"]["registered"]
+        assert metrics["closed"] == on["tracker"]["closed"]
+        assert off["session_metrics"] == {}
 
 
 # ---- trace generator ----------------------------------------------------
