@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from sglang_session_cache.protection_policy import AUTO_FRACTION_CEILING
 from sglang_session_cache_bench import agentic
 from sglang_session_cache_bench.trace import (
     GeneratorConfig,
@@ -142,10 +143,10 @@ def test_session_on_reuses_at_least_as_much_under_pressure(quick):
         assert on["tracker"]["registered"] > 0
         assert on["tracker"]["closed"] == on["closes"]
         # What a server would export at the end of the trace: the learned
-        # protection (a share of the pool up to the 0.9 ceiling) and the
+        # protection (a share of the pool up to the auto ceiling) and the
         # lifecycle counters, matching the tracker's.
         metrics = on["session_metrics"]
-        assert 0.0 <= metrics["effective_protected_fraction"] <= 0.9
+        assert 0.0 <= metrics["effective_protected_fraction"] <= AUTO_FRACTION_CEILING
         assert metrics["registered"] == on["tracker"]["registered"]
         assert metrics["closed"] == on["tracker"]["closed"]
         assert off["session_metrics"] == {}
