@@ -347,9 +347,9 @@ class RunStats:
     seconds: float = 0.0
     stream_digest: str = ""
     issues: list = field(default_factory=list)
-    tracker: dict = field(default_factory=dict)
     # The session metrics a server would export, read at the end of the
-    # trace: what protection learned (scale, return rate, first-turn rule).
+    # trace: what protection learned (scale, return rate, first-turn rule)
+    # and the lifecycle counters (opened, closed, expired, ...).
     session_metrics: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -524,10 +524,7 @@ def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: boo
     stats.stream_digest = digest.hexdigest()
     del cache.evict  # stop counting: the checks below evict everything
     _check(h, stats, "end of trace")
-    tracker = getattr(cache, "session_ref_tracker", None)
-    if tracker is not None:
-        stats.tracker = dict(tracker.counters.__dict__)
-        stats.tracker["open_at_end"] = len(tracker.open_sessions())
+    if getattr(cache, "session_ref_tracker", None) is not None:
         stats.session_metrics = cache.session_metrics()
     _check_drains(h, stats)
     return stats
@@ -799,7 +796,7 @@ def format_tables(results: dict, legend: bool = True) -> str:
                     gain += f", {100 * row['kept_of_base']:.0f}% of base"
                 if key == "base" and row.get("base_gain_points") is not None:
                     gain = f"{row['base_gain_points']:+.1f} pt"
-                expired = r.get("tracker", {}).get("expired", 0)
+                expired = r.get("session_metrics", {}).get("expired", 0)
                 if key == "on" and ttl:
                     gain += f"  [{expired} expired]"
                 lines.append(

@@ -321,7 +321,7 @@ def test_mooncake_trace_replays_on_the_real_cache(tmp_path, capsys):
     assert "8 session turns in 2 sessions (2 closed) + 3 one-shot" in stdout
     on = results["shapes"]["full"][0]["on"]
     assert on["followups"] == 6 and on["followups_kept"] == 6
-    assert on["sessions_closed"] == 2 and on["tracker"]["closed"] == 2
+    assert on["sessions_closed"] == 2 and on["session_metrics"]["closed"] == 2
     # --save-trace writes it as JSONL that replays the same stream.
     saved = tmp_path / "saved.jsonl"
     rc = agentic.main(["--trace", path, "--block-size", "8", "--shapes", "full",
@@ -345,8 +345,8 @@ def test_mooncake_trace_replays_on_the_real_cache(tmp_path, capsys):
     assert rc == 0
     never = json.loads((out / agentic.RESULTS_JSON).read_text())
     on = never["shapes"]["full"][0]["on"]
-    assert on["closes"] == 0 and on["tracker"]["closed"] == 0
-    assert on["tracker"]["open_at_end"] == 2
+    assert on["closes"] == 0 and on["session_metrics"]["closed"] == 0
+    assert on["session_metrics"]["open_sessions"] == 2
 
 
 # ---- client policies and modes ------------------------------------------
@@ -484,14 +484,14 @@ def test_replay_runs_in_trace_time_and_honours_the_ttl(tmp_path):
     st = agentic.replay(trace, "full", 2000, True, ttl=100.0)
     assert st.issues == []
     assert st.seconds < 100
-    assert st.tracker["expired"] == 2  # "slow" at 100 s, then "fast" at 140 s
-    assert st.tracker["open_at_end"] == 1  # "slow" reopened at 500 s
+    assert st.session_metrics["expired"] == 2  # "slow" at 100 s, then "fast" at 140 s
+    assert st.session_metrics["open_sessions"] == 1  # "slow" reopened at 500 s
     # Without a TTL nothing expires; with a longer one neither.
-    assert agentic.replay(trace, "full", 2000, True).tracker["expired"] == 0
-    assert agentic.replay(trace, "full", 2000, True, ttl=1000.0).tracker["expired"] == 0
+    assert agentic.replay(trace, "full", 2000, True).session_metrics["expired"] == 0
+    assert agentic.replay(trace, "full", 2000, True, ttl=1000.0).session_metrics["expired"] == 0
     # The session-off run ignores the TTL (no tracker) and replays the same stream.
     off = agentic.replay(trace, "full", 2000, False, ttl=100.0)
-    assert off.stream_digest == st.stream_digest and off.tracker == {}
+    assert off.stream_digest == st.stream_digest and off.session_metrics == {}
 
 
 def test_ttl_flag_reaches_the_replay(tmp_path, capsys):
@@ -504,7 +504,7 @@ def test_ttl_flag_reaches_the_replay(tmp_path, capsys):
     results = json.loads((tmp_path / "o" / agentic.RESULTS_JSON).read_text())
     assert results["workload"]["session_radix_cache_ttl"] == 100.0
     row = results["shapes"]["full"][0]
-    assert row["on"]["tracker"]["expired"] == 2 and row["off"]["tracker"] == {}
+    assert row["on"]["session_metrics"]["expired"] == 2 and row["off"]["session_metrics"] == {}
     assert "session TTL 100 s of trace time" in out and "[2 expired]" in out
     with pytest.raises(SystemExit):
         agentic.main(["--session-radix-cache-ttl", "-3"])
@@ -579,7 +579,7 @@ def test_several_modes_in_one_run(tmp_path, capsys):
     assert tagged["trace"]["tagged_oneshots"] == tagged["trace"]["oneshot_requests"] > 0
     assert tagged["trace"]["sessions_closed"] == 0
     on = tagged["shapes"]["full"][0]["on"]
-    assert on["tracker"]["expired"] > 0 and on["tracker"]["closed"] == 0
+    assert on["session_metrics"]["expired"] > 0 and on["session_metrics"]["closed"] == 0
     # One-shot hit rates are reported for tagged one-shots too.
     assert on["oneshot_prompt_tokens"] == closed["shapes"]["full"][0]["on"]["oneshot_prompt_tokens"]
     assert "mode closed:" in out and "mode tag-all-ttl:" in out
