@@ -63,19 +63,6 @@ def key_length(key) -> int:
     return len(key)
 
 
-def handover_parent(node: UnifiedTreeNode, root: UnifiedTreeNode):
-    """The parent a deleted leaf hands its references over to, or None when
-    the general route applies (children left, the root, or a parent without
-    KV).  Structural, so the same for every component."""
-    parent = node.parent
-    if node.children or parent is None or parent is root:
-        return None
-    pcd = parent.component_data[0]  # the parent holds KV
-    if pcd.value is None and pcd.host_value is None:
-        return None
-    return parent
-
-
 class SessionStateError(AssertionError):
     """Raised by the validator when stored counts disagree with the leaf index."""
 
@@ -904,9 +891,18 @@ class MambaSessionRefs(ComponentSessionRefs):
         self._drop_all(node, sids, node_deleted and not node.children)
 
     def hand_over_deleted(self, node, parent, sids, length):
-        # The parent holds KV, but a Mamba reference needs a state.
-        if self._nearest_reusable_ancestor(node) is not None:
-            return super().discard_deleted_session_leaf(node)
+        # The parent holds KV, but a Mamba reference needs a state: look for
+        # the nearest ancestor with one from the parent up (the walk of
+        # ``_nearest_reusable_ancestor``, inlined: this runs on every
+        # eviction of a referenced leaf).
+        ct = self.ct
+        root = self.cache.root_node
+        cur = parent
+        while cur is not root and cur is not None:
+            cd = cur.component_data[ct]
+            if cd.value is not None or cd.host_value is not None:
+                return super().discard_deleted_session_leaf(node)
+            cur = cur.parent
         self._drop_all(node, sids, True)
 
     def _drop_all(self, node, sids, deleted: bool) -> None:

@@ -75,7 +75,9 @@ PATCHES: tuple[Patch, ...] = (
         "swaps in session-aware SWA/Mamba components via "
         "component_registry_override, partitioned LRUs and the FULL heap key; "
         "registers refs after a finished request's insert and keeps counts "
-        "right across splits and evictions. Inert with the flag off.",
+        "right across splits and evictions (a session cache also gets its own "
+        "_evict_device_leaf, on the instance, with those hooks in line). "
+        "Inert with the flag off.",
     ),
     Patch(
         name="radix_cache.legacy_sessions_off",

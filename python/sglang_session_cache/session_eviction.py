@@ -90,6 +90,67 @@ class SessionAwareFullComponent(FullComponent):
         )
 
 
+def make_device_leaf_evictor(cache_cls):
+    """``_evict_device_leaf`` for a session cache (installed on the instance
+    by ``attach_session_tracking``; a cache without sessions keeps SGLang's
+    own method untouched).
+
+    The write-through case, in which the leaf is deleted whole, is 0.5.16's
+    code with the session hooks in line: the breach counters and ghosts of
+    the ``_evict_component_and_detach_lru`` hook, and the deletion hook of
+    ``_remove_leaf_from_parent``, around SGLang's own (unwrapped) methods.
+    Every deleted leaf comes here, and the three wrapper calls this saves are
+    a measurable part of an eviction on a referenced tree.  A backed-up leaf
+    (demoted to host) and write-back HiCache take SGLang's path, hooks
+    included.  None where ``cache_cls`` overrides the hooked methods."""
+    from sglang.srt.disaggregation.kv_events import StorageMedium
+
+    from sglang_session_cache.patches.unified_cache import guarded
+
+    stock = cache_cls._evict_device_leaf
+    evict_component = getattr(cache_cls._evict_component_and_detach_lru, "__wrapped__", None)
+    remove_leaf = getattr(cache_cls._remove_leaf_from_parent, "__wrapped__", None)
+    if evict_component is None or remove_leaf is None:
+        return None  # a subclass replaced the hooked methods: its path stays
+    both, gpu = EvictLayer.ALL, StorageMedium.GPU
+    full_ct = ComponentType.FULL
+
+    def _evict_device_leaf(self, node, tracker):
+        refs = self.session_ref_tracker
+        controller = self.cache_controller
+        if refs is None or node.backuped or (
+            controller is not None and controller.write_policy == "write_back"
+        ):
+            return stock(self, node, tracker)
+        assert self._is_device_leaf(node), f"node {node.id} is not a D-leaf"
+        self._record_remove_event(node, medium=gpu)
+        cds = node.component_data
+        for comp in self._components_tuple:
+            ct = comp.component_type
+            cd = cds[ct]
+            if cd.session_ref:
+                # A soft-protection breach, counted if device data went.
+                freed = evict_component(self, node, comp, both, tracker)
+                if freed[0]:
+                    counts = refs.breaches[ct]
+                    counts[0] += 1
+                    counts[1] += freed[0]
+                continue
+            if ct == full_ct and refs.policy.scale.capacity and cd.value is not None:
+                # Unreferenced KV going: a ghost for the learned protection
+                # scale (as in the component hook).
+                guarded(refs.on_unreferenced_evict, node)
+            evict_component(self, node, comp, both, tracker)
+        self.evictable_device_leaves.discard(node)
+        parent = node.parent
+        refs.on_node_deleted(node)
+        remove_leaf(self, node)
+        self._update_evictable_leaf_sets(parent)
+        self._iteratively_delete_tombstone_leaf(node, tracker)
+
+    return _evict_device_leaf
+
+
 def cascade_blocked(cache, node, trigger, host: bool = False) -> bool:
     """Would evicting ``trigger``'s data on ``node`` (its host copy with
     ``host``) drop a referenced component whose own (internal) priority is at
@@ -125,16 +186,19 @@ def _drive_lru_eviction(component, request: int, tracker: dict) -> None:
     Like SGLang's walk it takes the next candidate before evicting; when the
     eviction unlinked it or moved any node between partitions (a reference
     relocating to a parent), the walk restarts from the LRU end instead, so
-    it never resumes from a stale position."""
-    cache = component.cache
+    it never resumes from a stale position.  The first pass protects (see
+    ``cascade_blocked``); a second, unprotected one runs only if the first
+    freed too little."""
     ct = component.component_type
+    if tracker[ct] >= request:
+        return
+    cache = component.cache
     lru = cache.lru_lists[ct]
     leaves = cache.evictable_device_leaves
-    for protect in (True, False):
-        if tracker[ct] >= request:
-            return
-        x = lru.get_lru_no_lock()
-        while tracker[ct] < request and x is not None:
+    protect = True
+    x = lru.get_lru_no_lock()
+    while True:
+        while x is not None:
             if (
                 protect
                 and not x.component_data[ct].session_ref
@@ -153,10 +217,16 @@ def _drive_lru_eviction(component, request: int, tracker: dict) -> None:
                     x, component, target=EvictLayer.DEVICE, tracker=tracker
                 )
                 cache._cascade_evict(x, component, tracker)
+            if tracker[ct] >= request:
+                return
             if lru.moves != moves or (x_next is not None and x_next.id not in lru.cache):
                 x = lru.get_lru_no_lock()
             else:
                 x = x_next
+        if not protect:
+            return
+        protect = False
+        x = lru.get_lru_no_lock()
 
 
 def _drive_host_lru_eviction(component, num_tokens: int, tracker: dict) -> None:

@@ -9,7 +9,8 @@ What is counted (all per cache):
                           per component, soft-protection breaches: evictions
                           that removed referenced device data, and what they
                           freed (counted in the ``_evict_component_and_detach_lru``
-                          hook, before the data is gone);
+                          hook and, for deleted leaves, in the session cache's
+                          ``_evict_device_leaf``);
 * ``protection_withdrawals`` / ``protection_withdrawn_refs`` / ``unearned_finishes``
                           the protection policy (``protection_policy.py``):
                           sessions withdrawn past the bound, leaf references

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from sglang_session_cache.component_refs import (
     ComponentSessionRefs,
     SessionStateError,
-    handover_parent,
     index_owners,
     key_length,
     make_component_refs,
@@ -184,11 +183,12 @@ class UnifiedSessionRefTracker:
     idle: IdleSchedule = dataclasses.field(default_factory=IdleSchedule)
     # open session id -> None, least recently active first (room-making order)
     recency: OrderedDict = dataclasses.field(default_factory=OrderedDict)
-    # Soft-protection breaches, per component: device evictions that removed
-    # referenced data, and the device tokens (Mamba: states) they freed.
-    # Incremented by the cache's _evict_component_and_detach_lru hook.
-    referenced_evictions: dict = dataclasses.field(default_factory=dict)
-    referenced_evicted_tokens: dict = dataclasses.field(default_factory=dict)
+    # Soft-protection breaches, per component: [device evictions that
+    # removed referenced data, the device tokens (Mamba: states) they freed].
+    # Incremented by the cache's _evict_component_and_detach_lru hook and its
+    # session-side _evict_device_leaf (session_eviction.py); read
+    # as ``referenced_evictions`` / ``referenced_evicted_tokens``.
+    breaches: dict = dataclasses.field(default_factory=dict)
     expiry_log: ExpiryLog = dataclasses.field(default_factory=ExpiryLog)
     _tombstone_chars_used: int = 0
     _open_chars_used: int = 0
@@ -229,9 +229,18 @@ class UnifiedSessionRefTracker:
         )
         # Counters are monotonic: they survive a tree reset.
         for ct in self.components:
-            self.referenced_evictions.setdefault(ct, 0)
-            self.referenced_evicted_tokens.setdefault(ct, 0)
+            self.breaches.setdefault(ct, [0, 0])
         self.policy.reset(self.cache, self.components)
+
+    @property
+    def referenced_evictions(self) -> dict:
+        """Per component: device evictions that removed referenced data."""
+        return {ct: n for ct, (n, _) in self.breaches.items()}
+
+    @property
+    def referenced_evicted_tokens(self) -> dict:
+        """Per component: the device tokens (Mamba: states) those freed."""
+        return {ct: n for ct, (_, n) in self.breaches.items()}
 
     # ---- lifecycle ----
 
@@ -613,8 +622,24 @@ class UnifiedSessionRefTracker:
             if not sids:  # only session leaves move
                 continue
             if parent is None:
-                parent = handover_parent(node, self.cache.root_node) or False
-                length = key_length(node.key) if parent else 0
+                # The parent every component hands its references to
+                # together, or False for the general route (children left,
+                # the root, or a parent without KV).  Structural, so looked
+                # up once; with the key's length (``key_length``, inlined:
+                # every deleted session leaf comes here).
+                parent = node.parent
+                if node.children or parent is None or parent is self.cache.root_node:
+                    parent = False
+                else:
+                    pcd = parent.component_data[0]
+                    if pcd.value is None and pcd.host_value is None:
+                        parent = False
+                    else:
+                        key = node.key
+                        if key.limit is None and not key.is_bigram:
+                            length = len(key.token_ids)
+                        else:
+                            length = len(key)
             if parent:
                 refs.hand_over_deleted(node, parent, sids, length)
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import types
 
 from sglang_session_cache.patches._wrap import add_method, wrap_method
 
@@ -83,7 +84,16 @@ def attach_session_tracking(cache) -> None:
     )
 
     setattr(cache, SHORTFALL_ATTR, shortfall_rule_applies(cache))
-    from sglang_session_cache.session_eviction import SessionAwareFullComponent
+    from sglang_session_cache.session_eviction import (
+        SessionAwareFullComponent,
+        make_device_leaf_evictor,
+    )
+
+    # On this instance only: SGLang's callers (the components' eviction
+    # walks) reach it as ``self.cache._evict_device_leaf``.
+    evict_device_leaf = make_device_leaf_evictor(type(cache))
+    if evict_device_leaf is not None:
+        cache._evict_device_leaf = types.MethodType(evict_device_leaf, cache)
 
     if not isinstance(cache.components.get(0), SessionAwareFullComponent):
         # Finishing requests find their session leaf through this component.
@@ -231,7 +241,9 @@ def _wrap_remove_leaf(orig):
 def _wrap_evict_component(orig):
     from sglang.srt.mem_cache.unified_cache_components import ComponentType, EvictLayer
 
-    device, host = int(EvictLayer.DEVICE), int(EvictLayer.HOST)
+    # Plain ints: comparing a flag member with one stays in C (``Flag``'s
+    # own ``&`` and ``in`` are Python-level).
+    device, both = int(EvictLayer.DEVICE), int(EvictLayer.ALL)
     full_ct = ComponentType.FULL
 
     def _evict_component_and_detach_lru(self, node, comp, target=EvictLayer.DEVICE, tracker=None):
@@ -239,22 +251,22 @@ def _wrap_evict_component(orig):
         if refs is None:
             return orig(self, node, comp, target, tracker)
         cd = node.component_data[comp.component_type]
-        # Soft-protection breach: referenced data may be about to go.  Read
-        # before the relocation below moves a Mamba reference off the node;
-        # counted below only if device data was actually freed.
-        breach = cd.session_ref
-        if cd.session_leaf_of is not None and comp in refs.relocating_components:
-            # One layer of a session leaf's state goes in place (both layers
-            # at once means the node is deleted next, which relocates then).
-            layer = int(target)
-            if layer == device or layer == host:
-                refs.on_component_evict(node, comp.component_type, layer == device)
-        if breach:
+        if cd.session_ref:
+            # Soft-protection breach: referenced data may be about to go
+            # (counted below only if device data was actually freed).  A
+            # session leaf's state that goes one layer at a time relocates
+            # now; both layers at once mean the node is deleted next, which
+            # relocates then.  (A session leaf always holds a reference of
+            # its own, so only referenced nodes are checked.)
+            if (target != both and cd.session_leaf_of is not None
+                    and comp in refs.relocating_components):
+                refs.on_component_evict(node, comp.component_type, target == device)
             freed = orig(self, node, comp, target, tracker)
-            if freed[0]:  # device data went (inlined: this is the eviction path)
-                ct = comp.component_type
-                refs.referenced_evictions[ct] += 1
-                refs.referenced_evicted_tokens[ct] += freed[0]
+            if freed[0]:
+                # Inlined (this is the eviction path): [events, tokens].
+                counts = refs.breaches[comp.component_type]
+                counts[0] += 1
+                counts[1] += freed[0]
             return freed
         if (refs.policy.scale.capacity and comp.component_type == full_ct
                 and int(target) & device and cd.value is not None):

@@ -77,21 +77,28 @@ class Driver:
         self._fresh = iter(range(10_000, 10**9))
 
     def _observe_tree_events(self):
-        cache, model = self.h.cache, self.model
-        remove = cache._remove_leaf_from_parent
-        evict = cache._evict_component_and_detach_lru
+        # Every deleted node passes the tracker's deletion hook (whichever
+        # path deletes it: a session cache evicts a device leaf through its
+        # own ``_evict_device_leaf``, which calls SGLang's methods directly),
+        # and every Mamba state freed passes the component's own eviction.
+        model, tracker = self.model, self.tracker
+        on_node_deleted = tracker.on_node_deleted
 
-        def _remove_leaf_from_parent(node):
+        def observed_on_node_deleted(node):
             model.node_deleted(node)
-            return remove(node)
+            return on_node_deleted(node)
 
-        def _evict_component_and_detach_lru(node, comp, target=EvictLayer.DEVICE, tracker=None):
-            if int(comp.component_type) == MAMBA and target & EvictLayer.DEVICE:
-                model.mamba_evicted(node)
-            return evict(node, comp, target=target, tracker=tracker)
+        tracker.on_node_deleted = observed_on_node_deleted
+        mamba = self.h.cache.components.get(MAMBA)
+        if mamba is not None:
+            evict = mamba.evict_component
 
-        cache._remove_leaf_from_parent = _remove_leaf_from_parent
-        cache._evict_component_and_detach_lru = _evict_component_and_detach_lru
+            def observed_evict_component(node, target=EvictLayer.DEVICE):
+                if target & EvictLayer.DEVICE:
+                    model.mamba_evicted(node)
+                return evict(node, target=target)
+
+            mamba.evict_component = observed_evict_component
 
     # ---- operations ----
 

@@ -237,3 +237,47 @@ def test_a_metrics_scrape_on_one_rank_changes_nothing_eviction_reads(shape):
     for h in ranks:
         h.cache.validate_session_state()
         h.check()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_session_leaf_evictor_matches_sglangs_method_with_the_hooks(shape):
+    # A session cache deletes device leaves through its own _evict_device_leaf
+    # (on the instance, the session hooks in line).  Two identical trees,
+    # one evicted through it, one through SGLang's method with the same
+    # hooks as wrappers: the same tree, references, freed tokens and
+    # breach counters afterwards.
+    ranks = [SHAPES[shape](), SHAPES[shape]()]
+    for h in ranks:
+        two_branches(h, "s")
+        for i in range(3):
+            serve(h, SYSTEM[:20] + [i + 5] * 16, f"o{i}")
+        finish(h, h.new_req(SYSTEM[:20] + [9] * 16), n_decode=0)  # no session
+    own, other = (h.cache for h in ranks)
+    assert "_evict_device_leaf" in own.__dict__
+    stock = type(other)._evict_device_leaf
+    freed = []
+    for h, evict in ((ranks[0], own._evict_device_leaf),
+                     (ranks[1], lambda node, t: stock(other, node, t))):
+        tracked = {ct: 0 for ct in h.cache.tree_components}
+        for _ in range(3):
+            leaves = sorted(h.cache.evictable_device_leaves,
+                            key=lambda n: tuple(n.key.token_ids))
+            for node in leaves:
+                evict(node, tracked)
+        freed.append(tracked)
+    assert freed[0] == freed[1]
+    assert _state(ranks[0]) == _state(ranks[1])
+    counts = [tracker(h).breaches for h in ranks]
+    assert counts[0] == counts[1]
+    assert counts[0][FULL][0] > 0  # referenced leaves went: breaches counted
+    for h in ranks:
+        h.cache.validate_session_state()
+        h.check()
+
+
+def test_a_cache_without_sessions_keeps_sglangs_leaf_eviction():
+    from cache_fixtures import make_full_cache
+
+    cache = make_full_cache(enable_session=False).cache
+    assert "_evict_device_leaf" not in cache.__dict__
+    assert cache._evict_device_leaf.__func__ is type(cache)._evict_device_leaf
