@@ -215,15 +215,22 @@ def _state(h):
     return counts, leaves
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_metrics_scrape_on_one_rank_changes_nothing_eviction_reads(shape):
-    # TP/PP ranks keep identical trees; a metrics scrape runs on one rank
-    # only, at its own time, and must not change what eviction reads.
+def two_ranks(shape):
+    """Two identical trees (as two TP/PP ranks keep): a session with two
+    branches and three one-leaf sessions sharing part of SYSTEM."""
     ranks = [SHAPES[shape](), SHAPES[shape]()]
     for h in ranks:
         two_branches(h, "s")
         for i in range(3):
             serve(h, SYSTEM[:20] + [i + 5] * 16, f"o{i}")
+    return ranks
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_metrics_scrape_on_one_rank_changes_nothing_eviction_reads(shape):
+    # TP/PP ranks keep identical trees; a metrics scrape runs on one rank
+    # only, at its own time, and must not change what eviction reads.
+    ranks = two_ranks(shape)
     for step in range(4):
         for i, h in enumerate(ranks):
             h.evict(num_tokens=8, swa_num_tokens=8, mamba_num=1)
@@ -246,11 +253,8 @@ def test_the_session_leaf_evictor_matches_sglangs_method_with_the_hooks(shape):
     # one evicted through it, one through SGLang's method with the same
     # hooks as wrappers: the same tree, references, freed tokens and
     # breach counters afterwards.
-    ranks = [SHAPES[shape](), SHAPES[shape]()]
+    ranks = two_ranks(shape)
     for h in ranks:
-        two_branches(h, "s")
-        for i in range(3):
-            serve(h, SYSTEM[:20] + [i + 5] * 16, f"o{i}")
         finish(h, h.new_req(SYSTEM[:20] + [9] * 16), n_decode=0)  # no session
     own, other = (h.cache for h in ranks)
     assert "_evict_device_leaf" in own.__dict__
