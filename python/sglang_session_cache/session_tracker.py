@@ -34,6 +34,7 @@ from sglang_session_cache.component_refs import (
 )
 from sglang_session_cache.session_idle import IdleSchedule
 from sglang_session_cache.protection_policy import ProtectionPolicy
+from sglang_session_cache.protection_scale import ghost_key
 from sglang_session_cache.session_ttl import ExpiryLog, normalize_ttl
 from sglang_session_cache.session_ids import session_id_problem
 
@@ -394,12 +395,18 @@ class UnifiedSessionRefTracker:
         # Once per request: the scheduler may match a queued request again.
         setattr(req, REQ_SCALE_SEEN_ATTR, True)
         node = result.last_device_node
-        if node is None or not policy.scale.ghosts:
+        scale = policy.scale
+        if node is None or not scale.ghosts:
             return  # the common case, decided before anything is computed
         tokens = key.token_ids
         matched = result.device_indices.shape[0]
         end = len(tokens) if key.limit is None else min(len(tokens), key.limit)
         if matched >= end:
+            return
+        # Most matches stop where no ghost is: one lookup decides that before
+        # the session is looked up (``missed`` starts with the same lookup
+        # and changes nothing when it fails).
+        if ghost_key(node.id, tokens, scale.page, matched) not in scale.ghosts:
             return
         sid = plain_session_id(session_id_of(req))
         returning = sid is not None and policy.turns.get(sid, 0) >= 2

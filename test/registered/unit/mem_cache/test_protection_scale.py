@@ -20,7 +20,11 @@ from sglang_session_cache.protection_policy import (  # noqa: E402
     AUTO_FRACTION_CEILING,
     normalize_fraction,
 )
-from sglang_session_cache.protection_scale import ProtectionScale, _common_prefix  # noqa: E402
+from sglang_session_cache.protection_scale import (  # noqa: E402
+    ProtectionScale,
+    _common_prefix,
+    ghost_key,
+)
 
 FULL = ComponentType.FULL
 
@@ -185,13 +189,16 @@ def test_option_values():
 # ---- on the real cache -----------------------------------------------------------------
 
 
-def _idle_sessions_and_hot_documents(h):
+def _idle_sessions_and_hot_documents(h, page: int = 1):
+    """``page``: lengths rounded up to whole pages (a paged tree keys and
+    evicts whole pages, so a document's end falls on a node boundary)."""
     tracker = h.cache.session_ref_tracker
+    tail, doc = -(-10 // page) * page, -(-150 // page) * page
     for i in range(8):  # sessions that return once, then never close
         conv = prompt(10_000 * (i + 1), 60)
         turn(h, conv, f"s{i}")
-        turn(h, conv + prompt(10_000 * (i + 1) + 500, 10), f"s{i}")
-    docs = [prompt(900_000 + 10_000 * d, 150) for d in range(3)]
+        turn(h, conv + prompt(10_000 * (i + 1) + 500, tail), f"s{i}")
+    docs = [prompt(900_000 + 10_000 * d, doc) for d in range(3)]
     for i in range(120):  # untagged one-shots over three shared documents
         turn(h, docs[i % 3] + prompt(1_000_000 + 10 * i, 4))
     return tracker
@@ -211,6 +218,31 @@ def test_hot_shared_documents_shrink_protection_under_auto():
     snap = h.cache.session_metrics()
     assert snap["effective_protected_fraction"] == policy.effective_fraction
     assert snap["protection_scale_shrank"] == policy.scale.shrank
+    h.cache.validate_session_state()
+    h.check()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_match_reaches_the_scale_only_where_a_ghost_is(page_size):
+    """The scheduler-match hook looks up the ghost where the match stopped
+    before anything else: the scale sees only matches that stop at a ghost,
+    and still learns from them (page 1 and a paged tree)."""
+    h = SHAPES["full"](num_tokens=1024, page_size=page_size)
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(AUTO, AUTO)
+    policy = tracker.policy
+    calls = []
+    original = policy.on_ghost_miss
+
+    def spy(parent_id, tokens, returning, components, start=0, end=None):
+        key = ghost_key(parent_id, tokens, policy.scale.page, start)
+        calls.append(key in policy.scale.ghosts)
+        return original(parent_id, tokens, returning, components, start, end)
+
+    policy.on_ghost_miss = spy
+    _idle_sessions_and_hot_documents(h, page_size)
+    assert calls and all(calls)
+    assert policy.scale.shrank > 0 and policy.scale.scale < 1.0
     h.cache.validate_session_state()
     h.check()
 
