@@ -35,7 +35,7 @@ from sglang_session_cache.component_refs import (
 from sglang_session_cache.session_idle import IdleSchedule
 from sglang_session_cache.protection_policy import ProtectionPolicy
 from sglang_session_cache.protection_scale import ghost_key
-from sglang_session_cache.session_ttl import ExpiryLog, normalize_ttl
+from sglang_session_cache.session_ttl import OPEN_TIMEOUT, ExpiryLog, normalize_ttl
 from sglang_session_cache.session_ids import session_id_problem
 
 if TYPE_CHECKING:
@@ -172,12 +172,19 @@ class UnifiedSessionRefTracker:
     # still sees the old generation's requests finish.
     epochs: dict = dataclasses.field(default_factory=dict)
     # Ids explicitly opened (/open_session, streaming ones too) and not closed
-    # since nor expired by their own open timeout, oldest first: the tracker's
-    # rank-independent answer to "does SGLang's session controller still hold
-    # this id" (see is_explicitly_open).  Kept across global-TTL expiry, the
-    # open-session bound and tree resets, which the controller never sees;
+    # since nor expired by their own open timeout, oldest first, each with
+    # that timeout (None: none): the tracker's rank-independent answer to
+    # "does SGLang's session controller still hold this id" (see
+    # is_explicitly_open).  Kept across global-TTL expiry, the open-session
+    # bound and tree resets, which the controller never sees (a session
+    # re-opened implicitly after those gets its timeout back from here);
     # bounded like the open ids.
     explicit: OrderedDict = dataclasses.field(default_factory=OrderedDict)
+    # Streaming ids opened with a timeout: SGLang's reaper ends them that long
+    # after their last request, so they leave ``explicit`` and ``streaming``
+    # then, on the shared clock.  (Open sessions keep their timeout in
+    # ``idle``.)  Mirrors the controller, so a tree reset keeps it.
+    streaming_timeouts: IdleSchedule = dataclasses.field(default_factory=IdleSchedule)
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
     # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
@@ -255,14 +262,21 @@ class UnifiedSessionRefTracker:
         register nothing when they finish.  ``timeout`` (``/open_session``'s)
         is this session's own idle TTL."""
         sid = check_session_id(session_id)
-        self._hold_explicit(sid)
+        # Checked before anything changes: a bad timeout opens nothing.
+        own_ttl = normalize_ttl(timeout, OPEN_TIMEOUT)
+        self._hold_explicit(sid, own_ttl)
         if streaming:
             self._remember_streaming(sid)
+            if own_ttl is not None:
+                self.streaming_timeouts.add(sid, own_ttl)
+            else:
+                self.streaming_timeouts.remove(sid)
             return None
-        own_ttl = normalize_ttl(timeout) if timeout is not None else None
+        # A regular open of an id that was streaming: it is not any more.
+        self._forget_streaming(sid)
         gen = self._open(sid, new_generation=True)
-        if own_ttl is not None:
-            act = self.idle.sessions[sid]
+        act = self.idle.sessions[sid]
+        if act.ttl != own_ttl:  # an already open session takes the new timeout
             act.ttl = own_ttl
             self.idle.touch(sid)
         return gen
@@ -278,12 +292,14 @@ class UnifiedSessionRefTracker:
         scheduler-ordered events and the shared clock."""
         return session_id in self.explicit
 
-    def _hold_explicit(self, sid: str) -> None:
+    def _hold_explicit(self, sid: str, timeout: Optional[float]) -> None:
         explicit = self.explicit
-        explicit[sid] = None
+        explicit[sid] = timeout
         explicit.move_to_end(sid)
         while len(explicit) > self.max_open_sessions:
-            explicit.popitem(last=False)  # the oldest: a later open of it re-opens
+            # The oldest: a later open of it re-opens.
+            old, _ = explicit.popitem(last=False)
+            self.streaming_timeouts.remove(old)
 
     def _open(self, sid: str, new_generation: bool = False, touch: bool = True) -> int:
         """``touch=False``: the caller records the activity itself (an
@@ -302,7 +318,9 @@ class UnifiedSessionRefTracker:
         gen = next(self._next_generation)
         self.generations[sid] = gen
         self._open_chars_used += len(sid)
-        self.idle.add(sid)
+        # An explicitly opened id keeps its own timeout across a re-open
+        # after a tree reset or the open-session bound released it.
+        self.idle.add(sid, self.explicit.get(sid))
         self.recency[sid] = None
         self.epochs[sid] = gen
         self.policy.on_open(sid)
@@ -341,6 +359,11 @@ class UnifiedSessionRefTracker:
         req = req_or_session_id
         raw = session_id_of(req)
         if raw is None or _is_streaming(req) or _is_aborted(req):
+            if self.streaming_timeouts.sessions and _is_streaming(req):
+                # SGLang's reaper counts a streaming session's timeout from
+                # its last request.
+                self.streaming_timeouts.touch(
+                    plain_session_id(getattr(req.session, "session_id", None)))
             return None
         sid = self._checked_id(raw)
         if sid in self.streaming:
@@ -357,9 +380,13 @@ class UnifiedSessionRefTracker:
             self.policy.on_arrival(sid)
             if self.policy.withdraw_pending:
                 self.policy.enforce(self.components)
-        if gen is not None and gen == getattr(req, REQ_GENERATION_ATTR):
+        epoch = self.epochs.get(sid)
+        if gen is not None and epoch is not None and getattr(req, REQ_GENERATION_ATTR) >= epoch:
             # An arrival is activity, and the session is busy until it ends.
-            setattr(req, REQ_INFLIGHT_ATTR, self.epochs[sid])
+            # (A request stamped before an explicit re-open of the same
+            # incarnation, retracted and queued again, is still its own:
+            # generations only grow, and the epoch is the incarnation's first.)
+            setattr(req, REQ_INFLIGHT_ATTR, epoch)
             self.idle.arrive(sid)
             self._touch(sid)
         return getattr(req, REQ_GENERATION_ATTR)
@@ -470,7 +497,11 @@ class UnifiedSessionRefTracker:
             return False
         policy = self.policy
         if not policy.earned(sid, counted):
-            # Not returned yet: its KV stays ordinary LRU data.
+            # Not returned yet: its KV stays ordinary LRU data.  (Counting an
+            # unstamped request's arrival here may have turned first-request
+            # protection off: withdraw it now, as an arrival would.)
+            if policy.withdraw_pending:
+                policy.enforce(self.components)
             self.idle.touch(sid)
             self._touch(sid)
             return False
@@ -493,7 +524,7 @@ class UnifiedSessionRefTracker:
         was never opened is logged and remembered so late finishes register
         nothing.  Returns the number of leaf references dropped."""
         sid = check_session_id(session_id)
-        self.streaming.pop(sid, None)
+        self._forget_streaming(sid)
         self.explicit.pop(sid, None)
         if sid not in self.generations:
             if sid in self.closed:
@@ -549,7 +580,12 @@ class UnifiedSessionRefTracker:
         self.streaming[sid] = None
         self.streaming.move_to_end(sid)
         while len(self.streaming) > self.streaming_limit:
-            self.streaming.popitem(last=False)
+            old, _ = self.streaming.popitem(last=False)
+            self.streaming_timeouts.remove(old)
+
+    def _forget_streaming(self, sid: str) -> None:
+        self.streaming.pop(sid, None)
+        self.streaming_timeouts.remove(sid)
 
     def _touch(self, sid: str) -> None:
         if sid in self.recency:
@@ -592,6 +628,10 @@ class UnifiedSessionRefTracker:
         """Deliver a shared-clock value (a scheduler-ordered event, identical
         on every rank) and release the sessions now due, as if closed.
         Returns how many expired."""
+        for sid in self.streaming_timeouts.advance(t):
+            # A streaming session's own timeout: SGLang's reaper ends it.
+            self._forget_streaming(sid)
+            self.explicit.pop(sid, None)
         due = self.idle.advance(t)
         for sid in due:
             act = self.idle.sessions.get(sid)
@@ -703,6 +743,14 @@ class UnifiedSessionRefTracker:
             )
         if self.idle.heap_size() > 2 * len(open_ids) + 64:
             raise SessionStateError("TTL deadline heap is not bounded by the open sessions")
+        timed = self.streaming_timeouts.sessions
+        if not timed.keys() <= self.explicit.keys():
+            raise SessionStateError(
+                f"streaming timeouts {sorted(timed.keys() - self.explicit.keys())} "
+                "are kept for ids no longer explicitly open"
+            )
+        if self.streaming_timeouts.heap_size() > 2 * len(timed) + 64:
+            raise SessionStateError("streaming timeout heap is not bounded by its ids")
         problem = self.policy.validate(self.components, self.generations)
         if problem is not None:
             raise SessionStateError(f"protection policy: {problem}")

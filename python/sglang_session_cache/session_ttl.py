@@ -46,25 +46,29 @@ EXPIRY_LOG_INTERVAL_S = 60.0
 
 
 class SessionTTLError(ValueError):
-    """Invalid --session-radix-cache-ttl value."""
+    """Invalid --session-radix-cache-ttl value (or ``/open_session`` timeout)."""
+
+#: How ``/open_session``'s timeout is named in its error message.
+OPEN_TIMEOUT = "open_session timeout"
 
 
-def normalize_ttl(value: Any) -> Optional[float]:
+def normalize_ttl(value: Any, what: str = TTL_FLAG) -> Optional[float]:
     """``None``/``0`` -> ``None`` (off); a positive finite number -> float.
-    Anything else raises ``SessionTTLError``."""
+    Anything else raises ``SessionTTLError`` naming ``what`` (the flag, or
+    ``/open_session``'s ``timeout``)."""
     if value is None:
         return None
     if isinstance(value, bool):
-        raise SessionTTLError(f"{TTL_FLAG} must be a number of seconds, got {value!r}")
+        raise SessionTTLError(f"{what} must be a number of seconds, got {value!r}")
     try:
         ttl = float(value)
     except (TypeError, ValueError):
         raise SessionTTLError(
-            f"{TTL_FLAG} must be a number of seconds, got {value!r}"
+            f"{what} must be a number of seconds, got {value!r}"
         ) from None
     if math.isnan(ttl) or math.isinf(ttl) or ttl < 0:
         raise SessionTTLError(
-            f"{TTL_FLAG} must be a finite number of seconds >= 0 (0 = off), got {value!r}"
+            f"{what} must be a finite number of seconds >= 0 (0 = off), got {value!r}"
         )
     return ttl if ttl > 0 else None
 

@@ -15,11 +15,18 @@ from sglang_session_cache.patches._wrap import wrap_method
 
 def _wrap_failure(orig):
     def handler(self, req, *args, **kwargs):
-        if self.server_args.enable_session_radix_cache:
-            from sglang_session_cache.session_tracker import REQ_ABORTING_ATTR
+        if not self.server_args.enable_session_radix_cache:
+            return orig(self, req, *args, **kwargs)
+        from sglang_session_cache.patches.server_wiring import _request_left
+        from sglang_session_cache.session_tracker import REQ_ABORTING_ATTR
 
-            setattr(req, REQ_ABORTING_ATTR, True)
-        return orig(self, req, *args, **kwargs)
+        setattr(req, REQ_ABORTING_ATTR, True)
+        out = orig(self, req, *args, **kwargs)
+        # A bootstrap that failed before any KV was allocated never reaches
+        # cache_finished_req: the request ends here all the same, so it stops
+        # keeping its session busy (a no-op when the release already did).
+        _request_left(self, req)
+        return out
 
     return handler
 

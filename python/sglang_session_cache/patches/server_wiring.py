@@ -22,8 +22,9 @@ TTL_NO_EFFECT_WARNING = (
 
 def _session_error_type():
     from sglang_session_cache.session_tracker import SessionRefError
+    from sglang_session_cache.session_ttl import SessionTTLError
 
-    return SessionRefError
+    return (SessionRefError, SessionTTLError)
 
 
 # ---- server_args ------------------------------------------------------------
@@ -309,6 +310,24 @@ def _wrap_abort_on_queued_limit(orig):
     return _abort_on_queued_limit
 
 
+def _wrap_abort_on_waiting_timeout(orig):
+    def _abort_on_waiting_timeout(self):
+        # Runs every scheduler iteration: O(1) unless SGLang dropped timed-out
+        # requests (SGLANG_REQ_WAITING_TIMEOUT), which it does by replacing
+        # the queue list; those never finish, so they leave here.
+        before = self.waiting_queue
+        out = orig(self)
+        after = self.waiting_queue
+        if after is not before and self.server_args.enable_session_radix_cache:
+            kept = {id(r) for r in after}
+            for req in before:
+                if id(req) not in kept:
+                    _request_left(self, req)
+        return out
+
+    return _abort_on_waiting_timeout
+
+
 def apply_scheduler(module) -> None:
     cls = module.Scheduler
     wrap_method(cls, "open_session", _wrap_open_session)
@@ -316,6 +335,7 @@ def apply_scheduler(module) -> None:
     wrap_method(cls, "_add_request_to_queue", _wrap_add_request)
     wrap_method(cls, "abort_request", _wrap_abort_request)
     wrap_method(cls, "_abort_on_queued_limit", _wrap_abort_on_queued_limit)
+    wrap_method(cls, "_abort_on_waiting_timeout", _wrap_abort_on_waiting_timeout)
 
 
 # ---- scheduler stats: session metrics in the log line and Prometheus -----------

@@ -66,3 +66,23 @@ def test_successful_prefill_still_registers():
     h.prefill(req, finishing=True)
     h.finish(req)
     assert h.cache.session_ref_tracker.counters.registered == 1
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_bootstrap_failure_before_any_kv_ends_the_busy_time(shape):
+    # Failed before KV was allocated: SGLang's handler releases nothing (no
+    # cache_finished_req), yet the request is over.
+    h = SHAPES[shape]()
+    tracker = h.cache.session_ref_tracker
+    tracker.set_ttl(10.0)
+    sched = prefill_scheduler(h)
+    req = arrive(h, prompt(0), "s")
+    assert tracker.idle.inflight("s") == 1
+    req.disagg_kv_sender = FailingSender()
+    req.metadata_buffer_index = -1
+    sched.handle_bootstrap_failure(req)
+    assert type(req.finished_reason).__name__ == "FINISH_ABORT"
+    assert tracker.idle.inflight("s") == 0
+    assert h.cache.advance_session_clock(1000.0) == 1
+    h.cache.validate_session_state()
+    h.check()

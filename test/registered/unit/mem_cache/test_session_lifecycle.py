@@ -135,6 +135,45 @@ def test_streaming_classic_session_stays_excluded(server_args, monkeypatch):
     assert "st" not in tracker(h).open_sessions()
 
 
+def test_a_streaming_sessions_own_timeout_ends_its_open(server_args, monkeypatch):
+    """SGLang's reaper ends a streaming session its timeout after its last
+    request; the tracker forgets it then too (on the shared clock), so the id
+    can be opened again -- here as a regular session, whose requests count."""
+    monkeypatch.setattr(schedule_batch, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
+    h = make_full_cache(enable_session=True)
+    t = tracker(h)
+    h.cache.advance_session_clock(100.0)
+    sched = make_scheduler(h.cache, server_args)
+    sched.open_session(OpenSessionReqInput(
+        capacity_of_str_len=64, session_id="st", streaming=True, timeout=5.0))
+    h.cache.advance_session_clock(103.0)
+    req = classic_req(sched, "st", SYSTEM + [1], "st-1")  # its timeout restarts
+    assert getattr(req, "session_ref_generation", None) is None
+    h.cache.advance_session_clock(107.9)
+    assert t.is_explicitly_open("st") and "st" in t.streaming
+    h.cache.advance_session_clock(108.0)
+    assert not t.is_explicitly_open("st") and "st" not in t.streaming
+    # SGLang's reaper (its own clock) ends the controller session as well.
+    sched.session_controller.sessions.pop("st")
+    assert sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="st")).success
+    req = classic_req(sched, "st", SYSTEM + [2], "st-2")
+    assert req.session_ref_generation == t.generations["st"]
+    finish(h, req)
+    assert t.session_leaves("st")
+    h.cache.validate_session_state()
+
+
+def test_a_regular_open_of_a_streaming_id_tracks_it(h):
+    t = tracker(h)
+    h.cache.open_radix_session("st", streaming=True, timeout=5.0)
+    t.release_radix_session("st")  # closed: a new open of the id
+    h.cache.open_radix_session("st", streaming=True)  # no timeout this time
+    assert not t.streaming_timeouts.sessions
+    t.explicit.pop("st")  # as when SGLang's controller no longer holds it
+    h.cache.open_radix_session("st")  # regular now: not streaming any more
+    assert "st" not in t.streaming and "st" in t.generations
+
+
 # ---- issue 11 item 6: upstream-compatible calls ---------------------------------
 
 

@@ -207,3 +207,20 @@ def test_auto_flag_parses_and_is_the_default():
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "dummy",
                            "--session-radix-cache-protect-from-turn", "sometimes"])
+
+
+def test_unstamped_finishes_withdraw_when_the_rate_falls(h):
+    """Requests that reach the finish without an arrival stamp (direct cache
+    callers) are counted there; the one that turns first-request protection
+    off is refused, and the protections kept so far go at once, as they do
+    when an arrival turns it off."""
+    tracker = h.cache.session_ref_tracker
+    horizon = tracker.policy.return_rate.horizon
+    for i in range(horizon + 8):
+        req = h.new_req(prompt(100_000 + 40 * i, 8), session_id=f"oneshot-{i}")
+        h.prefill(req, finishing=True)
+        h.finish(req)  # counted (and maybe refused) here, never stamped
+        h.cache.validate_session_state()
+    assert not tracker.policy.protects_first_turn
+    assert not tracker.policy.withdraw_pending and not tracker.policy.first_turn_only
+    assert all(not leaves(h, f"oneshot-{i}") for i in range(horizon + 8))

@@ -654,3 +654,90 @@ def test_request_refused_or_preempted_by_the_queue_limit():
     assert tracker.idle.inflight("worse") == 0
     assert clock.advance(TTL) == 2  # "low" and "worse"; "high" is queued
     assert tracker.open_sessions() == ["high"]
+
+
+# ---- /open_session timeouts kept where SGLang keeps them -----------------------------------
+
+
+def test_an_open_timeout_survives_a_tree_reset_and_the_open_session_bound():
+    """The session's own timeout lives with the explicit open, which a tree
+    reset (flush_cache) and the open-session bound leave alone (SGLang's
+    controller still holds the session): a re-open after them keeps it."""
+    for how in ("reset", "bound"):
+        h = make_full_cache(enable_session=True)
+        tracker, clock = with_ttl(h, ttl=None)
+        if how == "bound":
+            tracker.max_open_sessions = 2
+        h.cache.open_radix_session("t", timeout=3.0)
+        run(h, arrive(h, prompt(0), "t"))
+        if how == "reset":
+            h.cache.reset()
+        else:
+            run(h, arrive(h, prompt(200), "x"))
+            run(h, arrive(h, prompt(400), "y"))
+        assert "t" not in tracker.generations and tracker.is_explicitly_open("t")
+        run(h, arrive(h, prompt(600), "t"))  # re-opened by its next request
+        assert tracker.idle.sessions["t"].ttl == 3.0
+        assert clock.advance(3.0) == 1 and "t" not in tracker.generations
+        # Expired by its own timeout, as SGLang's reaper ends it: a new open
+        # of the id is a new session.
+        assert not tracker.is_explicitly_open("t")
+        h.cache.validate_session_state()
+
+
+def test_a_bad_open_timeout_changes_nothing(h):
+    tracker, clock = with_ttl(h, ttl=None)
+    for bad in (-1.0, float("inf"), "soon"):
+        with pytest.raises(SessionTTLError, match="open_session timeout"):
+            h.cache.open_radix_session("t", timeout=bad)
+        assert not tracker.is_explicitly_open("t") and "t" not in tracker.generations
+    h.cache.open_radix_session("t", timeout=5.0)  # a good one then applies
+    run(h, arrive(h, prompt(0), "t"))
+    assert clock.advance(5.0) == 1
+
+
+def test_a_request_from_before_an_explicit_reopen_is_counted_again_after_a_retraction(h):
+    """An explicit re-open starts a new generation of the same incarnation:
+    requests stamped before it still keep the session busy, also after the
+    scheduler retracted and re-queued them."""
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    tracker, clock = with_ttl(h)
+    run(h, arrive(h, prompt(0), "s"))
+    req = arrive(h, prompt(0, 60), "s")
+    h.prefill(req)
+    h.cache.open_radix_session("s")  # new generation, same incarnation
+    assert tracker.idle.inflight("s") == 1
+    # Retraction, as schedule_batch does it: freed without an insert, reset,
+    # queued again.
+    release_kv_cache(req, h.cache, is_insert=False)
+    del h.live_reqs[req.rid]
+    req.reset_for_retract()
+    req.kv = None
+    assert tracker.idle.inflight("s") == 0
+    h.cache.ensure_session_generation(req)
+    assert tracker.idle.inflight("s") == 1
+    assert clock.advance(2 * TTL) == 0  # busy: not expired under it
+    run(h, req)
+    assert tracker.idle.inflight("s") == 0 and clock.advance(TTL) == 1
+
+
+def test_request_dropped_by_the_queue_wait_timeout_stops_keeping_its_session_busy(monkeypatch):
+    import time
+
+    monkeypatch.setenv("SGLANG_REQ_WAITING_TIMEOUT", "0.001")
+    h = make_full_cache(enable_session=True)
+    tracker, clock = with_ttl(h)
+    sched, sent = _queue_scheduler(h)
+    old = h.new_req(prompt(0), session_id="s", rid="waited-1")
+    sched._add_request_to_queue(old)
+    old.time_stats.wait_queue_entry_time = time.perf_counter() - 1  # waited too long
+    fresh = h.new_req(prompt(300), session_id="t", rid="fresh-1")
+    sched._add_request_to_queue(fresh)
+    fresh.time_stats.wait_queue_entry_time = time.perf_counter() + 60
+    sched._abort_on_waiting_timeout()  # SGLang drops it from the queue, no finish
+    assert [r.rid for r in sched.waiting_queue] == ["fresh-1"] and len(sent) == 1
+    assert tracker.idle.inflight("s") == 0 and tracker.idle.inflight("t") == 1
+    assert clock.advance(TTL) == 1 and tracker.open_sessions() == ["t"]
+    sched._abort_on_waiting_timeout()  # nothing due: the queue list is kept
+    assert [r.rid for r in sched.waiting_queue] == ["fresh-1"]
