@@ -23,6 +23,13 @@ one.  ``SessionAffinity`` keeps one binding per session, ``session -> rank``:
   ``/open_session`` timeout, announced by ``open``: the ranks expire such a
   session by that timeout, so its binding lasts as long), or when more than
   ``max_bindings`` sessions are bound (least recently routed first);
+* a binding that ended by the TTL leaves its rank behind as a hint: the
+  session's next request goes back there (counted as ``resumed``) unless
+  that rank is overloaded or no longer active.  The ranks count a session's
+  idle time from its last *finish*, this table from its last *routing*, so a
+  turn that ran long can see its binding end while its rank still holds the
+  session's KV -- referenced, or as ordinary LRU data after the rank's own
+  TTL -- and that rank is still where its next turn reuses the most;
 * a **kept** binding (``keep=True``: a classic ``/open_session`` session, whose
   turns build on state only the rank that served it holds -- elsewhere the
   next turn fails or loses its context) is never moved by the overload guard
@@ -61,6 +68,7 @@ class AffinityCounters:
     rebound_explicit: int = 0  # a request's routed_dp_rank moved the session
     closed: int = 0  # bindings ended by /close_session
     expired: int = 0  # bindings ended by the TTL
+    resumed: int = 0  # sessions routed back to the rank of their expired binding
     evicted: int = 0  # bindings dropped by the size cap (LRU)
 
     def as_dict(self) -> dict:
@@ -112,6 +120,9 @@ class SessionAffinity:
         # (at most max_bindings, oldest dropped).
         self._timeouts: "OrderedDict[str, float]" = OrderedDict()
         self._bound_per_rank: dict = {}  # rank -> bindings, the tie-breaker
+        # session -> rank of its binding that ended by the TTL (at most
+        # max_bindings, oldest dropped): where its next request goes back to.
+        self._expired_rank: "OrderedDict[str, int]" = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._bindings) + len(self._timed) + len(self._kept)
@@ -227,8 +238,14 @@ class SessionAffinity:
         b = self._lookup(session_id, keep)
         c = self.counters
         if b is None:
-            rank = self._least_loaded(active, loads)
-            c.bound += 1
+            rank = self._expired_rank.pop(session_id, None)
+            if rank is not None and rank in active and (
+                keep or not self._overloaded(rank, active, loads, cost)
+            ):
+                c.resumed += 1
+            else:
+                rank = self._least_loaded(active, loads)
+                c.bound += 1
             self._add(session_id, rank, now, keep)
             return rank
         if b.rank not in active:
@@ -247,6 +264,7 @@ class SessionAffinity:
         choice (``routed_dp_rank``): its KV is there now, so the binding
         follows."""
         self.expire(now)
+        self._expired_rank.pop(session_id, None)
         b = self._lookup(session_id, keep)
         if b is None:
             self.counters.bound += 1
@@ -292,6 +310,7 @@ class SessionAffinity:
     def close(self, session_id: str) -> bool:
         """End the binding of a closed session; ``False`` if it had none."""
         self._timeouts.pop(session_id, None)
+        self._expired_rank.pop(session_id, None)
         b = (self._bindings.pop(session_id, None) or self._timed.pop(session_id, None)
              or self._kept.pop(session_id, None))
         if b is None:
@@ -311,6 +330,7 @@ class SessionAffinity:
                 break
             del bindings[sid]
             self._count(b.rank, -1)
+            self._remember_rank(sid, b.rank)
             n += 1
         due = self._due
         while due and due[0][0] <= now:
@@ -325,9 +345,17 @@ class SessionAffinity:
             del self._timed[sid]
             self._timeouts.pop(sid, None)
             self._count(b.rank, -1)
+            self._remember_rank(sid, b.rank)
             n += 1
         self.counters.expired += n
         return n
+
+    def _remember_rank(self, session_id: str, rank: int) -> None:
+        hints = self._expired_rank
+        hints[session_id] = rank
+        hints.move_to_end(session_id)
+        while len(hints) > self.max_bindings:
+            hints.popitem(last=False)
 
 
 __all__ = [

@@ -186,10 +186,11 @@ class SessionDPRouter:
         if self._last_log is None or moved or ended:
             logger.info(
                 "Session DP affinity: %d sessions bound; since last report: %d new, "
+                "%d resumed on the rank of their expired binding, "
                 "%d rebound (overloaded rank), %d rebound (inactive rank), "
                 "%d rebound (explicit routed_dp_rank), "
                 "%d closed, %d expired (TTL), %d dropped (cap).",
-                len(self.affinity), delta["bound"], delta["rebound_overload"],
+                len(self.affinity), delta["bound"], delta["resumed"], delta["rebound_overload"],
                 delta["rebound_inactive"], delta["rebound_explicit"], delta["closed"],
                 delta["expired"], delta["evicted"],
             )

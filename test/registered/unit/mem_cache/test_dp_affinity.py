@@ -587,7 +587,15 @@ def test_real_controller_open_timeout_ends_the_binding(affinity_controller):
     h.set_loads(loads)
     assert h.generate("timed") == t
     time.sleep(0.7)
-    # Idle past its own timeout: bound anew, to the lighter rank.
+    # Idle past its own timeout: the binding ended, and the next turn goes
+    # back to the rank that served it (its KV is there), heavier but not
+    # overloaded ...
+    assert h.generate("timed") == t
+    time.sleep(0.7)
+    # ... and, ended again with that rank now busy and overloaded, to the
+    # lighter one.
+    loads[t] = 50_000
+    h.set_loads(loads)
     assert h.generate("timed") == 1 - t
     loads = [0, 0]
     loads[u] = 5000
@@ -600,3 +608,35 @@ def test_real_controller_affinity_disabled_is_stock_round_robin(stock_controller
     assert [h.generate("a") for _ in range(4)] == [0, 1, 0, 1]
     assert h.close("a") == [0, 1]
     assert h.open("a", timeout=1.0) == [0, 1]
+
+
+def test_a_session_whose_binding_expired_goes_back_to_its_rank():
+    # The ranks count idle time from a turn's finish, the binding from its
+    # routing: a long turn can end the binding while the rank still holds the
+    # session's KV, so its next turn goes back there (unless overloaded).
+    aff = SessionAffinity(ttl=60.0)
+    assert aff.route("agent", [0, 1], [0, 0], now=0.0, cost=100) == 0
+    assert aff.route("other", [0, 1], [0, 0], now=0.0, cost=100) == 1
+    assert aff.expire(70.0) == 2 and len(aff) == 0
+    # Rank 0 now busier than rank 1, but not overloaded: back to rank 0.
+    assert aff.route("agent", [0, 1], [5, 0], now=70.0, cost=100) == 0
+    assert aff.counters.resumed == 1 and aff.counters.bound == 2
+    assert aff.bound_per_rank() == {0: 1}
+    # Overloaded or gone: bound anew to the least-loaded rank.
+    assert aff.route("other", [0], [9, 0], now=71.0, cost=100) == 0
+    assert aff.counters.resumed == 1 and aff.counters.bound == 3
+    aff.expire(1000.0)
+    assert aff.route("agent", [0, 1], [500, 0], now=1000.0, cost=100) == 1
+    assert aff.counters.resumed == 1 and aff.counters.bound == 4
+
+
+def test_expired_ranks_are_forgotten_on_close_and_bounded():
+    aff = SessionAffinity(ttl=10.0, max_bindings=3)
+    aff.route("a", [0, 1], [0, 0], now=0)
+    aff.expire(20)
+    assert aff.close("a") is False  # no binding; its hint goes too
+    assert aff.route("a", [0, 1], [1, 0], now=21) == 1 and aff.counters.resumed == 0
+    for i in range(10):
+        aff.route(f"s{i}", [0, 1], [0, 0], now=30 + i)
+        aff.expire(100 + i)
+    assert len(aff._expired_rank) <= 3
