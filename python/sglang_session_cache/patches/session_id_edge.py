@@ -31,12 +31,29 @@ async def _rejected(obj, message: str):
     yield  # pragma: no cover - makes this an async generator
 
 
+def _plain(session_id):
+    # A ``str`` subclass id (Engine API) becomes an exact ``str``: the
+    # scheduler keys sessions by the plain copy, and a subclass with its own
+    # ``__hash__``/``__eq__`` would then miss its own entries (the open's
+    # reply future, the classic session of its ``session_params``).
+    return str.__str__(session_id) if isinstance(session_id, str) else session_id
+
+
+def _plain_session_params(params) -> None:
+    for item in params if isinstance(params, list) else [params]:
+        if isinstance(item, dict) and item.get("id") is not None:
+            item["id"] = _plain(item["id"])
+
+
 def _wrap_generate_request(orig):
     def generate_request(self, obj, request=None):
         if _enabled(self):
             problem = generate_request_problem(obj)
             if problem is not None:
                 return _rejected(obj, problem)
+            if getattr(obj, "session_id", None) is not None:
+                obj.session_id = _plain(obj.session_id)
+            _plain_session_params(getattr(obj, "session_params", None))
         return orig(self, obj, request)  # the original generator, not a proxy
 
     return generate_request
@@ -48,6 +65,7 @@ def _wrap_open_session(orig):
             problem = session_id_problem(obj.session_id)
             if problem is not None:
                 raise ValueError(problem)
+            obj.session_id = _plain(obj.session_id)
         return await orig(self, obj, request)
 
     return open_session
@@ -59,6 +77,7 @@ def _wrap_close_session(orig):
             problem = session_id_problem(obj.session_id)
             if problem is not None:
                 raise ValueError(problem)
+            obj.session_id = _plain(obj.session_id)
         return await orig(self, obj, request)
 
     return close_session

@@ -120,3 +120,35 @@ def test_a_malformed_request_keeps_sglangs_own_error():
     gen = _manager(True).generate_request(GenerateReqInput(session_id=""))
     with pytest.raises(ValueError, match="Either text, input_ids or input_embeds should be provided"):
         asyncio.run(gen.__anext__())
+
+
+class _CaseInsensitiveId(str):
+    """An Engine API id type with its own hash and equality."""
+
+    def __hash__(self):
+        return hash(self.lower())
+
+    def __eq__(self, other):
+        return isinstance(other, str) and self.lower() == other.lower()
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_str_subclass_ids_go_on_as_plain_strings(flag):
+    # The scheduler keys sessions by the plain copy; a subclass with its own
+    # __hash__ would miss its own entries there (the open's reply future hung).
+    from sglang.srt.managers.io_struct import CloseSessionReqInput, GenerateReqInput, OpenSessionReqInput
+
+    m = _manager(flag)
+    gen_obj = GenerateReqInput(input_ids=[1, 2], session_id=_CaseInsensitiveId("Agent-7"),
+                               session_params={"id": _CaseInsensitiveId("Classic-1")})
+    m.generate_request(gen_obj)  # not started: only the entry point ran
+    objs = [gen_obj]
+    for obj in (OpenSessionReqInput(capacity_of_str_len=10, session_id=_CaseInsensitiveId("Agent-7")),
+                CloseSessionReqInput(session_id=_CaseInsensitiveId("Agent-7"))):
+        call = m.open_session if isinstance(obj, OpenSessionReqInput) else m.close_session
+        with pytest.raises(Exception):  # no server behind: the original fails later
+            asyncio.run(call(obj))
+        objs.append(obj)
+    plain = [type(o.session_id) is str for o in objs] + [type(gen_obj.session_params["id"]) is str]
+    assert plain == [flag] * 4  # flag off: stock, untouched
+    assert all(o.session_id == "Agent-7" for o in objs)
