@@ -24,7 +24,9 @@ def _release_tuple(version: str) -> tuple[int, ...] | None:
 
 
 def _compare(found: str) -> int | None:
-    """-1/0/1 for found older/equal/newer than required; None if unparsable."""
+    """-1/0/1 for found older/equal/newer than required, 2 for a build of
+    the required release with a post-release or local label (``0.5.16.post1``,
+    ``0.5.16+cu130``); None if unparsable."""
     try:
         from packaging.version import InvalidVersion, Version
     except ImportError:  # pragma: no cover - packaging is a declared dependency
@@ -37,6 +39,8 @@ def _compare(found: str) -> int | None:
     except InvalidVersion:
         return None
     want = Version(REQUIRED_SGLANG_VERSION)
+    if got > want and got.release == want.release:
+        return 2
     return (got > want) - (got < want)
 
 
@@ -51,7 +55,13 @@ def check_sglang_version(found: str | None) -> str | None:
     if cmp == 0:
         return None
     message = f"{prefix}found sglang {found}, {required}"
-    if cmp is not None and cmp > 0:
+    if cmp == 2:
+        # Same release number, but not the release: its code may differ.
+        message += (
+            f" A post-release or local build of {REQUIRED_SGLANG_VERSION} may change "
+            "the code this patch set hooks into."
+        )
+    elif cmp is not None and cmp > 0:
         message += (
             " Newer SGLang releases ship a native session radix cache "
             "(--enable-session-radix-cache); use that instead."

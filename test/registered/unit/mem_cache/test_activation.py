@@ -183,6 +183,10 @@ def test_version_guard_older_names_both_versions_only():
 def test_version_guard_refuses_near_misses(found):
     msg = activation.check_sglang_version(found)
     assert msg is not None and f"found sglang {found}" in msg
+    # Not a newer release: no pointer to a native feature it would not have.
+    assert "--enable-session-radix-cache" not in msg
+    if "post" in found or "+" in found:
+        assert "post-release or local build of 0.5.16" in msg
 
 
 def test_version_guard_refuses_missing_sglang():
