@@ -247,12 +247,13 @@ class ProtectionPolicy:
     # ---- the learned scale ----
 
     def on_ghost_miss(self, parent_id: int, tokens, returning: bool,
-                      components: dict, start: int = 0, end: Optional[int] = None) -> None:
-        """A request's match of ``tokens[start:end]`` stopped where
-        unreferenced KV was evicted."""
+                      components: dict, start: int = 0, end: Optional[int] = None,
+                      extra_key=None) -> None:
+        """A request's match of ``tokens[start:end]`` (in namespace
+        ``extra_key``) stopped where unreferenced KV was evicted."""
         scale = self.scale
         old = scale.scale
-        shrank = scale.missed(parent_id, tokens, returning, start, end)
+        shrank = scale.missed(parent_id, tokens, returning, start, end, extra_key)
         if scale.scale != old:
             self._apply_limits()
             if shrank:

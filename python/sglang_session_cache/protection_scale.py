@@ -9,10 +9,10 @@ side is worth more is workload-dependent, so it is measured, in the spirit of
 ARC's ghost lists:
 
 * While references exist, each **unreferenced** FULL node evicted from the
-  device leaves a *ghost*: its place (parent node and first page, as the
-  tree keys children) and its size.  Ghosts are bounded to one pool of tokens, oldest dropped first.
+  device leaves a *ghost*: its place (parent node, namespace and first page,
+  as the tree keys children) and its size.  Ghosts are bounded to one pool of tokens, oldest dropped first.
 * When a request's device match stops exactly where a ghost was (same parent,
-  same next tokens), the request missed KV that protection pushed out:
+  namespace and next tokens), the request missed KV that protection pushed out:
   - from a session that has **returned** (its second request or later), the
     miss says the session's own, unprotected KV was needed: the scale grows,
     in full when that KV was just evicted and linearly less up to
@@ -61,14 +61,16 @@ GHOST_BUDGET = 1.0
 RETURN_WINDOW = 0.25
 
 
-def ghost_key(parent_id: int, tokens, page: int = 1, start: int = 0) -> tuple:
-    """A child's place: its parent and its first page (how the radix tree
-    itself keys children, so two children of one parent never collide);
+def ghost_key(parent_id: int, tokens, page: int = 1, start: int = 0,
+              extra_key=None) -> tuple:
+    """A child's place: its parent, its namespace (``RadixKey.extra_key``:
+    LoRA id, cache salt) and its first page -- how the radix tree itself
+    keys children, so two children of one parent never collide;
     ``tokens`` read from ``start``.  Page 1 keys the token itself, without a
     slice and a tuple: this runs on every eviction and match that learns."""
     if page == 1:
-        return (parent_id, tokens[start])
-    return (parent_id, tuple(tokens[start:start + page]))
+        return (parent_id, extra_key, tokens[start])
+    return (parent_id, extra_key, tuple(tokens[start:start + page]))
 
 
 def _common_prefix(a, b) -> int:
@@ -118,12 +120,13 @@ class ProtectionScale:
         self.ghost_tokens = 0
 
     def evicted(self, parent_id: int, node_id: int, tokens, size: int,
-                state: bool = True, whole_only: bool = False) -> None:
+                state: bool = True, whole_only: bool = False, extra_key=None) -> None:
         """``state``: the node could end a match (Mamba: it held a state);
-        ``whole_only``: a match cannot end inside it (Mamba caches)."""
+        ``whole_only``: a match cannot end inside it (Mamba caches);
+        ``extra_key``: the node's namespace."""
         if not self.capacity or size <= 0:
             return
-        key = ghost_key(parent_id, tokens, self.page)
+        key = ghost_key(parent_id, tokens, self.page, 0, extra_key)
         ghosts = self.ghosts
         old = ghosts.pop(key, None)
         # The evicted node's own key: tree keys are never changed in place
@@ -142,10 +145,11 @@ class ProtectionScale:
             self.ghost_tokens -= size
 
     def missed(self, parent_id: int, tokens, returning: bool, start: int = 0,
-               end: Optional[int] = None) -> bool:
-        """A match stopped below ``parent_id`` before ``tokens[start:end]``
-        (offsets instead of a slice: a prompt's unmatched rest can be long).
-        Returns whether the scale shrank (limits must be re-applied)."""
+               end: Optional[int] = None, extra_key=None) -> bool:
+        """A match (in namespace ``extra_key``) stopped below ``parent_id``
+        before ``tokens[start:end]`` (offsets instead of a slice: a prompt's
+        unmatched rest can be long).  Returns whether the scale shrank
+        (limits must be re-applied)."""
         ghosts = self.ghosts
         if not ghosts:
             return False
@@ -164,7 +168,7 @@ class ProtectionScale:
             at = start + lost
             if at + page > end and page > 1:
                 break  # a partial page: the tree keys none
-            key = ghost_key(parent_id, tokens, page, at)
+            key = ghost_key(parent_id, tokens, page, at, extra_key)
             ghost = ghosts.get(key)
             if ghost is None:
                 break

@@ -433,11 +433,13 @@ class UnifiedSessionRefTracker:
         # Most matches stop where no ghost is: one lookup decides that before
         # the session is looked up (``missed`` starts with the same lookup
         # and changes nothing when it fails).
-        if ghost_key(node.id, tokens, scale.page, matched) not in scale.ghosts:
+        extra_key = key.extra_key  # LoRA / cache salt: its own subtree
+        if ghost_key(node.id, tokens, scale.page, matched, extra_key) not in scale.ghosts:
             return
         sid = plain_session_id(session_id_of(req))
         returning = sid is not None and policy.turns.get(sid, 0) >= 2
-        policy.on_ghost_miss(node.id, tokens, returning, self.components, matched, end)
+        policy.on_ghost_miss(node.id, tokens, returning, self.components, matched, end,
+                             extra_key)
 
     def on_unreferenced_evict(self, node) -> None:
         """An unreferenced FULL node's device KV is being evicted."""
@@ -445,8 +447,10 @@ class UnifiedSessionRefTracker:
         if full is not None and full.ref_units and node.parent is not None:
             mamba = self.components.get(2)
             state = mamba is None or node.component_data[2].value is not None
-            self.policy.scale.evicted(node.parent.id, node.id, node.key.token_ids,
-                                      key_length(node.key), state, mamba is not None)
+            key = node.key
+            self.policy.scale.evicted(node.parent.id, node.id, key.token_ids,
+                                      key_length(key), state, mamba is not None,
+                                      key.extra_key)
 
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""

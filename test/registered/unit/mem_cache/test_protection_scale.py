@@ -234,10 +234,10 @@ def test_a_match_reaches_the_scale_only_where_a_ghost_is(page_size):
     calls = []
     original = policy.on_ghost_miss
 
-    def spy(parent_id, tokens, returning, components, start=0, end=None):
-        key = ghost_key(parent_id, tokens, policy.scale.page, start)
+    def spy(parent_id, tokens, returning, components, start=0, end=None, extra_key=None):
+        key = ghost_key(parent_id, tokens, policy.scale.page, start, extra_key)
         calls.append(key in policy.scale.ghosts)
-        return original(parent_id, tokens, returning, components, start, end)
+        return original(parent_id, tokens, returning, components, start, end, extra_key)
 
     policy.on_ghost_miss = spy
     _idle_sessions_and_hot_documents(h, page_size)
@@ -293,3 +293,29 @@ def test_common_prefix_agrees_with_a_token_by_token_scan():
         want = next((i for i in range(n) if a[i] != b[i]), n)
         assert _common_prefix(a, b) == want
         assert _common_prefix(list(a), b) == want  # mixed types: the scan
+
+
+@pytest.mark.parametrize("namespace", ["A", "B", None])
+def test_a_ghost_is_missed_only_from_its_own_namespace(namespace):
+    """The tree keys children by namespace (LoRA id, cache salt) and first
+    page: a request in another namespace never could have reused an evicted
+    node, so it leaves its ghost alone and the scale unmoved."""
+    h = SHAPES["full"](num_tokens=256)
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(AUTO, AUTO)
+    scale = tracker.policy.scale
+    turn(h, prompt(50_000, 40), "s")  # a protected session: ghosts are kept
+    doc = prompt(1_000, 100)
+    req = h.new_req(doc, extra_key="A")
+    h.prefill(req, finishing=True)
+    h.finish(req)
+    h.evict(num_tokens=100)  # the unreferenced document goes first
+    assert len(scale.ghosts) == 1
+    req = h.new_req(doc + [7, 7], extra_key=namespace)
+    assert h.prefill(req, finishing=True) == 0  # nothing cached to reuse
+    h.finish(req)
+    own = namespace == "A"
+    assert (scale.shrank == 1) is own and (scale.scale < 1.0) is own
+    assert len(scale.ghosts) == (0 if own else 1)
+    h.cache.validate_session_state()
+    h.check()
