@@ -76,15 +76,29 @@ def referenced_tokens(tracker) -> dict:
     return {str(ct): refs.referenced_tokens() for ct, refs in tracker.components.items()}
 
 
+def _referenced_state(tracker) -> tuple:
+    """What the referenced device data can only change with: the components
+    (a reset replaces them), what references cover (closes, expiries,
+    withdrawals, registrations) and referenced data evicted (breaches)."""
+    return (
+        id(tracker.components),
+        tuple(refs.ref_units for refs in tracker.components.values()),
+        tuple(counts[1] for counts in tracker.breaches.values()),
+    )
+
+
 def _cached_referenced_tokens(cache, tracker, max_age: float) -> dict:
     if max_age <= 0:
         return referenced_tokens(tracker)
     now = time.monotonic()
+    state = _referenced_state(tracker)
     cached = cache._session_ref_tokens_cache
-    if cached is not None and now - cached[0] < max_age:
-        return cached[1]
+    # Reused only while nothing it depends on changed, so the figure never
+    # contradicts the rest of the same snapshot (open sessions after a close).
+    if cached is not None and now - cached[0] < max_age and cached[1] == state:
+        return cached[2]
     value = referenced_tokens(tracker)
-    cache._session_ref_tokens_cache = (now, value)
+    cache._session_ref_tokens_cache = (now, state, value)
     return value
 
 

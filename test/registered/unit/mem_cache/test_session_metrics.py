@@ -385,7 +385,8 @@ def test_prometheus_series(fake_prometheus):
 
     h.cache.release_radix_session("a")
     h.evict_all()  # takes "b"'s referenced KV: a breach
-    h.cache._session_ref_tokens_cache = None  # skip the 1 s reuse window
+    # Within the 1 s reuse window of the referenced-token walk: a close and a
+    # breach change what it depends on, so it is walked again.
     stats.update_scheduler_stats(SimpleNamespace())
     assert reg["sglang:session_radix_open_sessions"].value(**lab) == 1
     assert reg["sglang:session_radix_referenced_tokens"].value(**lab, component="full") == 0
@@ -421,3 +422,20 @@ def test_no_collector_without_metrics(fake_prometheus):
     h.run_request(prompt(0), session_id="a")
     observer_for(h).get_pool_stats().update_scheduler_stats(SimpleNamespace())
     assert fake_prometheus == {}
+
+
+def test_the_log_line_never_mixes_old_referenced_tokens_with_new_sessions():
+    # The referenced-token walk is reused for up to a second, but only while
+    # nothing it depends on changed (closes, a flush).
+    from sglang_session_cache.session_metrics import log_part
+
+    h = SHAPES["full"](num_tokens=256)
+    for i in range(3):
+        h.run_request(prompt(1000 * (i + 1), 40), session_id=f"s{i}")
+    assert "open=3, ref_tokens(full)=120" in log_part(h.cache)
+    h.cache.release_radix_session("s0")
+    assert "open=2, ref_tokens(full)=80" in log_part(h.cache)
+    for i in (1, 2):
+        h.cache.release_radix_session(f"s{i}")
+    h.cache.reset()  # flush_cache
+    assert "open=0, ref_tokens(full)=0" in log_part(h.cache)
