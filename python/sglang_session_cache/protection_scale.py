@@ -10,7 +10,11 @@ ARC's ghost lists:
 
 * While references exist, each **unreferenced** FULL node evicted from the
   device leaves a *ghost*: its place (parent node, namespace and first page,
-  as the tree keys children) and its size.  Ghosts are bounded to one pool of tokens, oldest dropped first.
+  as the tree keys children) and its size.  While none exist and the scale
+  is below 1 it leaves one too, marked: protection did not push that KV
+  out, so only a returning session's miss on it counts (below).  Without
+  those, a bound that fits no session's path would keep nothing referenced
+  and the scale could never grow back.  Ghosts are bounded to one pool of tokens, oldest dropped first.
 * When a request's device match stops exactly where a ghost was (same parent,
   namespace and next tokens), the request missed KV that protection pushed out:
   - from a session that has **returned** (its second request or later), the
@@ -120,10 +124,13 @@ class ProtectionScale:
         self.ghost_tokens = 0
 
     def evicted(self, parent_id: int, node_id: int, tokens, size: int,
-                state: bool = True, whole_only: bool = False, extra_key=None) -> None:
+                state: bool = True, whole_only: bool = False, extra_key=None,
+                pushed_out: bool = True) -> None:
         """``state``: the node could end a match (Mamba: it held a state);
         ``whole_only``: a match cannot end inside it (Mamba caches);
-        ``extra_key``: the node's namespace."""
+        ``extra_key``: the node's namespace; ``pushed_out``: references held
+        other KV when it went (else only a returning session's miss on it
+        counts: protection did not push it out, but could have kept it)."""
         if not self.capacity or size <= 0:
             return
         key = ghost_key(parent_id, tokens, self.page, 0, extra_key)
@@ -133,7 +140,7 @@ class ProtectionScale:
         # (a split gives both parts new ones), so a short one is kept as is.
         head = tokens if len(tokens) <= GHOST_CHECK_TOKENS else tokens[:GHOST_CHECK_TOKENS]
         self.ghost_clock += size
-        ghosts[key] = (size, node_id, head, state, whole_only, self.ghost_clock)
+        ghosts[key] = (size, node_id, head, state, whole_only, self.ghost_clock, pushed_out)
         self.ghost_tokens += size - old[0] if old else size
         if self.ghost_tokens > self.budget:  # runs on every such eviction
             self._trim()
@@ -162,6 +169,7 @@ class ProtectionScale:
         # evicted node that could end a match (Mamba: one with a state).
         lost = counted = 0
         newest = None  # stamp of the chain's first ghost (evicted last)
+        pushed_out = False  # and whether references held other KV then
         want = end - start
         page = self.page
         while True:
@@ -172,9 +180,9 @@ class ProtectionScale:
             ghost = ghosts.get(key)
             if ghost is None:
                 break
-            size, parent_id, head, state, whole_only, stamp = ghost
+            size, parent_id, head, state, whole_only, stamp, pushed = ghost
             if newest is None:
-                newest = stamp
+                newest, pushed_out = stamp, pushed
             del ghosts[key]
             self.ghost_tokens -= size
             same = _common_prefix(head, tokens[at:min(at + len(head), end)])
@@ -190,7 +198,7 @@ class ProtectionScale:
         lost = counted
         if lost and returning:
             lost *= self.return_weight(newest)
-        if not lost:
+        if not lost or not (returning or pushed_out):
             return False
         step = lost / self.capacity
         if returning:

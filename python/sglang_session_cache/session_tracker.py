@@ -444,13 +444,20 @@ class UnifiedSessionRefTracker:
     def on_unreferenced_evict(self, node) -> None:
         """An unreferenced FULL node's device KV is being evicted."""
         full = self.components.get(0)
-        if full is not None and full.ref_units and node.parent is not None:
+        if full is None or node.parent is None:
+            return
+        scale = self.policy.scale
+        pushed_out = full.ref_units > 0
+        # With nothing referenced, a ghost still lets a returning session
+        # that misses its own KV grow a scale below 1: once the bound fits no
+        # session's path, nothing stays referenced, and the scale could
+        # otherwise never grow back.
+        if pushed_out or scale.scale < 1.0:
             mamba = self.components.get(2)
             state = mamba is None or node.component_data[2].value is not None
             key = node.key
-            self.policy.scale.evicted(node.parent.id, node.id, key.token_ids,
-                                      key_length(key), state, mamba is not None,
-                                      key.extra_key)
+            scale.evicted(node.parent.id, node.id, key.token_ids, key_length(key), state,
+                          mamba is not None, key.extra_key, pushed_out)
 
     def should_register(self, req: Req) -> bool:
         """Cheap pre-check used before the insert, no side effects."""

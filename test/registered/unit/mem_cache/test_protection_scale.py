@@ -319,3 +319,39 @@ def test_a_ghost_is_missed_only_from_its_own_namespace(namespace):
     assert len(scale.ghosts) == (0 if own else 1)
     h.cache.validate_session_state()
     h.check()
+
+
+def test_a_returning_session_grows_the_scale_back_with_nothing_referenced():
+    """Once the bound fits no session's path, every registration is
+    withdrawn at once and nothing stays referenced; a returning session that
+    misses its own evicted KV must still be able to grow the scale."""
+    h = SHAPES["full"](num_tokens=1024)
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(AUTO, AUTO)
+    policy = tracker.policy
+    policy.scale.scale = 0.4
+    policy._apply_limits()  # 368 tokens: less than the session's path
+    conv = prompt(50_000, 400)
+    turn(h, conv, "c")
+    conv = conv + [1, 2, 3, 4]
+    turn(h, conv, "c")  # returned; withdrawn at once (over the bound)
+    assert tracker.components[FULL].ref_units == 0
+    for i in range(6):  # untagged traffic evicts the session's KV
+        turn(h, prompt(2_000_000 + 1000 * i, 110))
+    req = turn(h, conv + [7, 8], "c")  # back: misses its own KV
+    assert req.matched_prefix_len == 0
+    assert policy.scale.grew == 1 and policy.scale.scale > 0.4
+    h.cache.validate_session_state()
+    h.check()
+
+
+def test_a_miss_on_kv_protection_did_not_push_out_does_not_shrink():
+    s = ProtectionScale()
+    s.configure(1000)
+    s.scale = 0.5
+    s.evicted(1, 2, [5, 6, 7], 100, pushed_out=False)  # nothing was referenced
+    assert not s.missed(1, [5, 6, 7, 8], returning=False)
+    assert s.scale == 0.5 and s.shrank == 0 and not s.ghosts  # used up all the same
+    s.evicted(1, 2, [5, 6, 7], 100, pushed_out=False)
+    s.missed(1, [5, 6, 7, 8], returning=True)  # but it would have been kept
+    assert s.grew == 1 and s.scale > 0.5
