@@ -35,7 +35,7 @@ from sglang_session_cache.component_refs import (
 from sglang_session_cache.session_idle import IdleSchedule
 from sglang_session_cache.protection_policy import ProtectionPolicy
 from sglang_session_cache.protection_scale import ghost_key
-from sglang_session_cache.session_ttl import OPEN_TIMEOUT, ExpiryLog, normalize_ttl
+from sglang_session_cache.session_ttl import ExpiryLog, normalize_open_timeout, normalize_ttl
 from sglang_session_cache.session_ids import session_id_problem
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ REQ_INFLIGHT_ATTR = "session_ref_inflight"
 REQ_ARRIVAL_ATTR = "session_ref_arrival"
 # Set once the learned protection scale has seen the request's match.
 REQ_SCALE_SEEN_ATTR = "session_ref_scale_seen"
+# Set once a session-controller request restarted its session's timeout.
+REQ_CONTROLLER_SEEN_ATTR = "session_ref_controller_seen"
 #: Set on a ``Req`` whose KV is released on a failure path before SGLang marks
 #: it aborted (PD transfer/bootstrap failures): it registers nothing.
 REQ_ABORTING_ATTR = "session_ref_aborting"
@@ -180,11 +182,14 @@ class UnifiedSessionRefTracker:
     # re-opened implicitly after those gets its timeout back from here);
     # bounded like the open ids.
     explicit: OrderedDict = dataclasses.field(default_factory=OrderedDict)
-    # Streaming ids opened with a timeout: SGLang's reaper ends them that long
-    # after their last request, so they leave ``explicit`` and ``streaming``
-    # then, on the shared clock.  (Open sessions keep their timeout in
-    # ``idle``.)  Mirrors the controller, so a tree reset keeps it.
-    streaming_timeouts: IdleSchedule = dataclasses.field(default_factory=IdleSchedule)
+    # Explicit ids opened with a timeout, when SGLang's reaper ends them: that
+    # long after the open or the session's last request created by SGLang's
+    # session controller (``session_params``), whatever is in flight; they
+    # leave ``explicit`` (and ``streaming``) then, on the shared clock.  It
+    # mirrors the controller, so a tree reset and the open-session bound
+    # keep it.  (The session's references follow its own idle rules in
+    # ``idle``.)
+    open_timeouts: IdleSchedule = dataclasses.field(default_factory=IdleSchedule)
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
     # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
@@ -263,14 +268,14 @@ class UnifiedSessionRefTracker:
         is this session's own idle TTL."""
         sid = check_session_id(session_id)
         # Checked before anything changes: a bad timeout opens nothing.
-        own_ttl = normalize_ttl(timeout, OPEN_TIMEOUT)
+        own_ttl = normalize_open_timeout(timeout)
         self._hold_explicit(sid, own_ttl)
+        if own_ttl is not None:
+            self.open_timeouts.add(sid, own_ttl)
+        else:
+            self.open_timeouts.remove(sid)
         if streaming:
             self._remember_streaming(sid)
-            if own_ttl is not None:
-                self.streaming_timeouts.add(sid, own_ttl)
-            else:
-                self.streaming_timeouts.remove(sid)
             return None
         # A regular open of an id that was streaming: it is not any more.
         self._forget_streaming(sid)
@@ -299,7 +304,11 @@ class UnifiedSessionRefTracker:
         while len(explicit) > self.max_open_sessions:
             # The oldest: a later open of it re-opens.
             old, _ = explicit.popitem(last=False)
-            self.streaming_timeouts.remove(old)
+            self.open_timeouts.remove(old)
+
+    def _forget_explicit(self, sid: str) -> None:
+        self.explicit.pop(sid, None)
+        self.open_timeouts.remove(sid)
 
     def _open(self, sid: str, new_generation: bool = False, touch: bool = True) -> int:
         """``touch=False``: the caller records the activity itself (an
@@ -357,13 +366,10 @@ class UnifiedSessionRefTracker:
             sid = check_session_id(req_or_session_id)
             return None if sid in self.streaming else self._open(sid)
         req = req_or_session_id
+        if self.open_timeouts.sessions:
+            self._controller_activity(req)
         raw = session_id_of(req)
         if raw is None or _is_streaming(req) or _is_aborted(req):
-            if self.streaming_timeouts.sessions and _is_streaming(req):
-                # SGLang's reaper counts a streaming session's timeout from
-                # its last request.
-                self.streaming_timeouts.touch(
-                    plain_session_id(getattr(req.session, "session_id", None)))
             return None
         sid = self._checked_id(raw)
         if sid in self.streaming:
@@ -390,6 +396,16 @@ class UnifiedSessionRefTracker:
             self.idle.arrive(sid)
             self._touch(sid)
         return getattr(req, REQ_GENERATION_ATTR)
+
+    def _controller_activity(self, req: Req) -> None:
+        """SGLang's controller restarts a session's timeout when it creates a
+        request of it (``session_params``); a retracted or preempted request
+        queued again is not created again, so it counts once."""
+        session = getattr(req, "session", None)
+        if session is None or getattr(req, REQ_CONTROLLER_SEEN_ATTR, False):
+            return
+        setattr(req, REQ_CONTROLLER_SEEN_ATTR, True)
+        self.open_timeouts.touch(plain_session_id(getattr(session, "session_id", None)))
 
     def _checked_id(self, raw: Any) -> str:
         """``raw`` as a plain id.  An open id passed the check when it was
@@ -536,7 +552,7 @@ class UnifiedSessionRefTracker:
         nothing.  Returns the number of leaf references dropped."""
         sid = check_session_id(session_id)
         self._forget_streaming(sid)
-        self.explicit.pop(sid, None)
+        self._forget_explicit(sid)
         if sid not in self.generations:
             if sid in self.closed:
                 logger.debug("session %s already closed; nothing to release", describe_id(sid))
@@ -591,12 +607,10 @@ class UnifiedSessionRefTracker:
         self.streaming[sid] = None
         self.streaming.move_to_end(sid)
         while len(self.streaming) > self.streaming_limit:
-            old, _ = self.streaming.popitem(last=False)
-            self.streaming_timeouts.remove(old)
+            self.streaming.popitem(last=False)
 
     def _forget_streaming(self, sid: str) -> None:
         self.streaming.pop(sid, None)
-        self.streaming_timeouts.remove(sid)
 
     def _touch(self, sid: str) -> None:
         if sid in self.recency:
@@ -639,17 +653,18 @@ class UnifiedSessionRefTracker:
         """Deliver a shared-clock value (a scheduler-ordered event, identical
         on every rank) and release the sessions now due, as if closed.
         Returns how many expired."""
-        for sid in self.streaming_timeouts.advance(t):
-            # A streaming session's own timeout: SGLang's reaper ends it.
+        for sid in self.open_timeouts.advance(t):
+            # Its own /open_session timeout: SGLang's reaper ends the
+            # controller's session (its references follow their idle rules).
             self._forget_streaming(sid)
-            self.explicit.pop(sid, None)
+            self._forget_explicit(sid)
         due = self.idle.advance(t)
         for sid in due:
             act = self.idle.sessions.get(sid)
             if act is not None and act.ttl is not None:
-                # Its own /open_session timeout: SGLang's reaper ends the
-                # controller's session too (on its own clock, around now).
-                self.explicit.pop(sid, None)
+                # Its own /open_session timeout: SGLang's reaper ended the
+                # controller's session by now (on its own clock).
+                self._forget_explicit(sid)
             released = self._drop(sid)
             self.counters.expired += 1
             logger.debug("session %s expired: released %d leaf references",
@@ -754,14 +769,14 @@ class UnifiedSessionRefTracker:
             )
         if self.idle.heap_size() > 2 * len(open_ids) + 64:
             raise SessionStateError("TTL deadline heap is not bounded by the open sessions")
-        timed = self.streaming_timeouts.sessions
+        timed = self.open_timeouts.sessions
         if not timed.keys() <= self.explicit.keys():
             raise SessionStateError(
-                f"streaming timeouts {sorted(timed.keys() - self.explicit.keys())} "
+                f"open timeouts {sorted(timed.keys() - self.explicit.keys())} "
                 "are kept for ids no longer explicitly open"
             )
-        if self.streaming_timeouts.heap_size() > 2 * len(timed) + 64:
-            raise SessionStateError("streaming timeout heap is not bounded by its ids")
+        if self.open_timeouts.heap_size() > 2 * len(timed) + 64:
+            raise SessionStateError("open timeout heap is not bounded by its ids")
         problem = self.policy.validate(self.components, self.generations)
         if problem is not None:
             raise SessionStateError(f"protection policy: {problem}")

@@ -67,10 +67,19 @@ def normalize_ttl(value: Any, what: str = TTL_FLAG) -> Optional[float]:
             f"{what} must be a number of seconds, got {value!r}"
         ) from None
     if math.isnan(ttl) or math.isinf(ttl) or ttl < 0:
+        off = " (0 = off)" if what == TTL_FLAG else ""
         raise SessionTTLError(
-            f"{what} must be a finite number of seconds >= 0 (0 = off), got {value!r}"
+            f"{what} must be a finite number of seconds >= 0{off}, got {value!r}"
         )
     return ttl if ttl > 0 else None
+
+
+def normalize_open_timeout(value: Any) -> Optional[float]:
+    """``/open_session``'s ``timeout``: ``None`` (none) or seconds >= 0.
+    Unlike the TTL flag, 0 is a timeout, not "off": SGLang's reaper ends
+    such a session at its next pass."""
+    ttl = normalize_ttl(value, OPEN_TIMEOUT)
+    return 0.0 if ttl is None and value is not None else ttl
 
 
 def configured_ttl(server_args: Any) -> Optional[float]:
@@ -194,6 +203,7 @@ __all__ = [
     "TTL_FIELD",
     "TTL_FLAG",
     "configured_ttl",
+    "normalize_open_timeout",
     "normalize_ttl",
     "patch_server_args_class",
     "published_ttl",

@@ -154,9 +154,9 @@ class SessionDPRouter:
         try:
             sid, timeout = msg.session_id, msg.timeout
             if isinstance(sid, str) and timeout is not None and not msg.streaming:
-                from sglang_session_cache.session_ttl import normalize_ttl
+                from sglang_session_cache.session_ttl import normalize_open_timeout
 
-                self.affinity.open(sid, normalize_ttl(timeout))
+                self.affinity.open(sid, normalize_open_timeout(timeout))
         except Exception:
             # A bad timeout is the ranks' to reject; the binding keeps the TTL.
             logger.debug("open_session timeout not applied to the DP binding", exc_info=True)

@@ -135,17 +135,23 @@ def test_streaming_classic_session_stays_excluded(server_args, monkeypatch):
     assert "st" not in tracker(h).open_sessions()
 
 
-def test_a_streaming_sessions_own_timeout_ends_its_open(server_args, monkeypatch):
-    """SGLang's reaper ends a streaming session its timeout after its last
-    request; the tracker forgets it then too (on the shared clock), so the id
-    can be opened again -- here as a regular session, whose requests count."""
+def _streaming_session_with_timeout(server_args, monkeypatch):
+    """A scheduler with streaming session "st" opened at shared-clock 100
+    with a 5 s timeout."""
     monkeypatch.setattr(schedule_batch, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
     h = make_full_cache(enable_session=True)
-    t = tracker(h)
     h.cache.advance_session_clock(100.0)
     sched = make_scheduler(h.cache, server_args)
     sched.open_session(OpenSessionReqInput(
         capacity_of_str_len=64, session_id="st", streaming=True, timeout=5.0))
+    return h, tracker(h), sched
+
+
+def test_a_streaming_sessions_own_timeout_ends_its_open(server_args, monkeypatch):
+    """SGLang's reaper ends a streaming session its timeout after its last
+    request; the tracker forgets it then too (on the shared clock), so the id
+    can be opened again -- here as a regular session, whose requests count."""
+    h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
     h.cache.advance_session_clock(103.0)
     req = classic_req(sched, "st", SYSTEM + [1], "st-1")  # its timeout restarts
     assert getattr(req, "session_ref_generation", None) is None
@@ -163,12 +169,52 @@ def test_a_streaming_sessions_own_timeout_ends_its_open(server_args, monkeypatch
     h.cache.validate_session_state()
 
 
+def test_a_requeued_streaming_request_does_not_restart_its_timeout(server_args, monkeypatch):
+    # SGLang restarts the timeout when its controller creates a request, not
+    # when a retracted or preempted one is queued again.
+    h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
+    h.cache.advance_session_clock(101.0)
+    req = classic_req(sched, "st", SYSTEM + [1], "st-1")  # due at 106
+    h.cache.advance_session_clock(104.0)
+    sched.waiting_queue.clear()
+    sched._add_request_to_queue(req, is_retracted=True)  # queued again
+    h.cache.advance_session_clock(106.0)
+    assert not t.is_explicitly_open("st") and "st" not in t.streaming
+
+
+def test_an_open_timeout_runs_without_requests_and_zero_is_a_timeout(server_args):
+    """SGLang's reaper ends an /open_session'ed session its timeout after the
+    open (top-level session_id requests do not restart it), whether or not a
+    tree reset released the tracker's session meanwhile; 0 ends it at once."""
+    h = make_full_cache(enable_session=True)
+    t = tracker(h)
+    h.cache.advance_session_clock(100.0)
+    sched = make_scheduler(h.cache, server_args)
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="t", timeout=3.0))
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="z", timeout=0))
+    finish(h, arrive(h, SYSTEM + [1], "t"))
+    h.cache.reset()  # flush_cache: the tracker's session goes, SGLang's stays
+    assert t.is_explicitly_open("t")
+    h.cache.advance_session_clock(103.0)
+    assert not t.is_explicitly_open("t") and not t.is_explicitly_open("z")
+    # SGLang's reaper closed both; opened again without a timeout, "t" is a
+    # new session that never expires by the old one.
+    sched.session_controller.sessions.clear()
+    sched.open_session(OpenSessionReqInput(capacity_of_str_len=64, session_id="t"))
+    gen = t.generations["t"]
+    finish(h, arrive(h, SYSTEM + [2], "t"))
+    assert t.idle.sessions["t"].ttl is None
+    h.cache.advance_session_clock(10_000.0)
+    assert t.generations["t"] == gen and t.is_explicitly_open("t")
+    h.cache.validate_session_state()
+
+
 def test_a_regular_open_of_a_streaming_id_tracks_it(h):
     t = tracker(h)
     h.cache.open_radix_session("st", streaming=True, timeout=5.0)
     t.release_radix_session("st")  # closed: a new open of the id
     h.cache.open_radix_session("st", streaming=True)  # no timeout this time
-    assert not t.streaming_timeouts.sessions
+    assert not t.open_timeouts.sessions
     t.explicit.pop("st")  # as when SGLang's controller no longer holds it
     h.cache.open_radix_session("st")  # regular now: not streaming any more
     assert "st" not in t.streaming and "st" in t.generations
