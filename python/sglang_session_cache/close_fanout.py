@@ -94,6 +94,17 @@ def close_everywhere(session_id: str, workers: Iterable[str],
         return list(pool.map(lambda w: _close_one(w, session_id, timeout), workers))
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m sglang_session_cache.close_fanout",
@@ -102,7 +113,8 @@ def main(argv: Optional[list] = None) -> int:
     src.add_argument("--router", help="router URL; workers come from its GET /workers")
     src.add_argument("--worker", action="append", dest="workers",
                      help="a worker URL (repeat for each worker)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    p.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds per HTTP call (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("session_id", nargs="+")
     args = p.parse_args(argv)
     try:

@@ -167,6 +167,15 @@ def _parse_sizes(text: str) -> list:
     return sizes
 
 
+def pool_size_option(text: str):
+    """An argparse type: one pool size, a token count or a share of the
+    trace footprint (``8%``), checked like ``--sizes``."""
+    sizes = _parse_sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"give one pool size, got {text!r}")
+    return sizes[0]
+
+
 def parse_shapes(text: str) -> list:
     shapes = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]

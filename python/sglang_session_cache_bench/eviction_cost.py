@@ -31,6 +31,10 @@ import time
 from array import array
 
 from sglang_session_cache_bench.agentic import write_json
+from sglang_session_cache_bench.trace_files import non_negative_int, positive_int
+
+#: Cache components a cell can evict (``--components``).
+KINDS = ("full", "swa", "mamba")
 
 FRACTIONS = (0.0, 0.5, 1.0)
 WARMUP = 1200  # untimed evictions per side before a cell's timed ones
@@ -334,21 +338,39 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _node_counts(text: str) -> tuple:
+    """An argparse type: comma-separated leaf counts, each >= 1."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("give at least one leaf count")
+    return tuple(positive_int(x.replace("_", "")) for x in parts)
+
+
+def _kinds(text: str) -> tuple:
+    kinds = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown component(s) {bad}; choose from {', '.join(KINDS)}")
+    return kinds
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", default="10000,100000", help="comma-separated leaf counts")
-    p.add_argument("--components", default="full,swa,mamba",
+    p.add_argument("--nodes", type=_node_counts, default="10000,100000",
+                   help="comma-separated leaf counts")
+    p.add_argument("--components", type=_kinds, default="full,swa,mamba",
                    help="any of full, swa, mamba")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=WARMUP,
+    p.add_argument("--warmup", type=non_negative_int, default=WARMUP,
                    help="untimed evictions per side before each cell's timed ones "
                         "(capped at a tenth of the tree)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     rows = run(
-        nodes=tuple(int(x) for x in args.nodes.split(",")),
-        kinds=tuple(args.components.split(",")),
+        nodes=args.nodes,
+        kinds=args.components,
         rounds=args.rounds,
         seed=args.seed,
         warmup=args.warmup,

@@ -44,7 +44,11 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
-from sglang_session_cache_bench.trace_files import add_trace_format_options, trace_from_args
+from sglang_session_cache_bench.trace_files import (
+    add_trace_format_options,
+    positive_int,
+    trace_from_args,
+)
 from sglang_session_cache_bench.trace import (
     GeneratorConfig,
     Trace,
@@ -304,14 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
                    type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="with --launch: FULL and/or FULL+SWA (default both)")
     p.add_argument("--shape", help="with --url: label for the rows (default from the model)")
-    p.add_argument("--pool", type=int, default=DEFAULT_POOL, help="with --launch: --max-total-tokens")
+    p.add_argument("--pool", type=positive_int, default=DEFAULT_POOL,
+                   help="with --launch: --max-total-tokens")
     p.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay this trace (JSONL or Mooncake) instead")
     add_trace_format_options(p)
-    p.add_argument("--sessions", type=int, default=None, help="generated trace: sessions in all")
-    p.add_argument("--concurrency", type=int, default=4, help="sessions in flight at once")
+    p.add_argument("--sessions", type=positive_int, default=None,
+                   help="generated trace: sessions in all")
+    p.add_argument("--concurrency", type=positive_int, default=4,
+                   help="sessions in flight at once")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab", type=int, default=DEFAULT_VOCAB,
+    p.add_argument("--vocab", type=positive_int, default=DEFAULT_VOCAB,
                    help="model vocabulary: trace ids at or above it are mapped into it")
     p.add_argument("--out", default=None, metavar="FILE.json", help="write the results as JSON")
     return p
@@ -331,7 +338,15 @@ def main(argv: Optional[list] = None) -> int:
     s = trace.summary()
     _log(f"[live] trace: {s['requests']} requests ({s['session_requests']} session turns, "
          f"{s['oneshot_requests']} one-shot), {s['prompt_tokens']:,} prompt tokens")
-    rows = run_launch(args, trace) if args.launch else run_urls(args, trace)
+    import requests  # lazily, like the replay threads
+
+    try:
+        rows = run_launch(args, trace) if args.launch else run_urls(args, trace)
+    except requests.RequestException as exc:
+        # A server that is not there (or a bad --url): one line, no traceback.
+        print(f"error: cannot reach the server: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 2
     print(f"Live replay over HTTP: {s['requests']} requests, concurrency {args.concurrency}"
           + (f", pool {args.pool} tokens" if args.launch else ""))
     print(format_table(rows))

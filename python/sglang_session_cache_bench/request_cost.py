@@ -53,6 +53,7 @@ from sglang_session_cache_bench.agentic import (
     from_turn_option,
     min_pool_tokens,
     parse_shapes,
+    pool_size_option,
     positive_int,
     replay,
     replay_steps,
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", type=parse_shapes, default=list(SHAPES),
                    help="comma list of full, swa, swa_mamba (default: all)")
-    p.add_argument("--size", default="8%",
+    p.add_argument("--size", type=pool_size_option, default="8%",
                    help="pool size: share of the trace footprint (e.g. 8%%) or tokens")
     p.add_argument("--repeats", type=positive_int, default=5,
                    help="off/on pairs per shape (default 5)")
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
                         "on run's time goes (not part of the paired ratios)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
-    size = args.size if args.size.endswith("%") else int(args.size)
+    size = args.size
     t0 = time.perf_counter()
     result = run(args.shapes, size, args.repeats, args.seed, args.sessions,
                  args.protect_from_turn, args.equal_hit, args.breakdown,

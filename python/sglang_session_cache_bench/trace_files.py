@@ -13,15 +13,24 @@ from sglang_session_cache_bench.trace import Trace, TraceError, read_jsonl
 TRACE_FORMATS = ("auto", "jsonl", "mooncake")
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)
 
 
 def add_trace_format_options(parser) -> None:
@@ -72,6 +81,7 @@ def trace_from_args(args) -> Optional[Trace]:
 __all__ = [
     "TRACE_FORMATS",
     "add_trace_format_options",
+    "non_negative_int",
     "positive_int",
     "read_trace",
     "trace_from_args",

@@ -137,3 +137,11 @@ def test_any_worker_error_is_a_failed_result_and_a_bad_router_no_traceback(endpo
     assert all(r.error for r in results[1:])
     assert main(["--router", "http://127.0.0.1:9", "--timeout", "3", "s"]) == 2
     assert "cannot list the workers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "inf", "soon"])
+def test_a_bad_timeout_is_a_usage_error(timeout, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--router", "http://127.0.0.1:9", "--timeout", timeout, "s"])
+    assert exc.value.code == 2
+    assert "--timeout" in capsys.readouterr().err

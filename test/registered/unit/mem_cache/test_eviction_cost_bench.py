@@ -1,6 +1,8 @@
 """The per-eviction cost benchmark runs end to end on tiny trees (no timing
 assertions here: the targets live in the benchmark's own output)."""
 
+import pytest
+
 from sglang_session_cache_bench import eviction_cost
 
 
@@ -34,3 +36,13 @@ def test_eviction_cost_benchmark_smoke(capsys, tmp_path):
         spent = zero["warmup"] + zero["pairs"] + zero.get("call_pairs", 0)
         assert cells[1.0]["referenced_leaves"] == 300 - spent
         assert 0 < cells[0.5]["referenced_leaves"] < 300
+
+
+def test_bad_options_are_usage_errors(capsys):
+    for bad in (["--nodes", "abc"], ["--nodes", "-1"], ["--nodes", "0"], ["--nodes", ","],
+                ["--components", "bogus"], ["--rounds", "0"], ["--warmup", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            eviction_cost.main(bad)
+        assert exc.value.code == 2, bad
+        err = capsys.readouterr().err
+        assert "error:" in err and "Traceback" not in err, bad

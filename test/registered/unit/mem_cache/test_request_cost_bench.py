@@ -154,3 +154,11 @@ def test_protection_options_reach_the_on_cache(capsys, tmp_path, monkeypatch):
         request_cost.main(["--session-radix-cache-max-protected-fraction", "1.5"])
     assert bad.value.code == 2
     assert "max-protected-fraction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", ["abc", "x%", "0%", "-5", "8%,16%"])
+def test_a_bad_pool_size_is_a_usage_error(size, capsys):
+    with pytest.raises(SystemExit) as exc:
+        request_cost.main(["--size", size])
+    assert exc.value.code == 2
+    assert "--size" in capsys.readouterr().err

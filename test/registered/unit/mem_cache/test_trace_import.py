@@ -589,3 +589,16 @@ def test_several_modes_in_one_run(tmp_path, capsys):
     assert f"{gain:+.1f} .. {gain:+.1f} pt" in summary
     with pytest.raises(SystemExit):
         agentic.main(["--mode", "nope"])
+
+
+def test_live_bench_reports_an_unreachable_server_in_one_line(capsys):
+    from sglang_session_cache_bench import live_bench
+
+    assert live_bench.main(["--url", "http://127.0.0.1:9", "--sessions", "2",
+                            "--concurrency", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: cannot reach the server" in err and "Traceback" not in err
+    for bad in (["--concurrency", "0"], ["--vocab", "0"], ["--sessions", "0"], ["--pool", "-3"]):
+        with pytest.raises(SystemExit) as exc:
+            live_bench.main(["--url", "http://127.0.0.1:9", *bad])
+        assert exc.value.code == 2, bad
