@@ -119,12 +119,14 @@ PATCHES: tuple[Patch, ...] = (
         module="sglang.srt.managers.scheduler",
         targets=("Scheduler.open_session", "Scheduler.close_session",
                  "Scheduler._add_request_to_queue", "Scheduler.abort_request",
-                 "Scheduler._abort_on_queued_limit", "Scheduler._abort_on_waiting_timeout"),
+                 "Scheduler._abort_on_queued_limit", "Scheduler._abort_on_waiting_timeout",
+                 "Scheduler.handle_generate_request"),
         apply="sglang_session_cache.patches.server_wiring:apply_scheduler",
         why="open/close forward to the cache; top-level session_id requests get "
         "their session generation on arrival and count as in flight until "
         "they finish or leave the queue (refused, aborted while queued, "
-        "preempted by the queue limit, dropped by the queue wait timeout); bad ids are logged or aborted instead "
+        "preempted by the queue limit, dropped by the queue wait timeout); an "
+        "/open_session timeout restarts when the controller creates a request; bad ids are logged or aborted instead "
         "of crashing the scheduler.",
     ),
     Patch(

@@ -66,8 +66,8 @@ REQ_INFLIGHT_ATTR = "session_ref_inflight"
 REQ_ARRIVAL_ATTR = "session_ref_arrival"
 # Set once the learned protection scale has seen the request's match.
 REQ_SCALE_SEEN_ATTR = "session_ref_scale_seen"
-# Set once a session-controller request restarted its session's timeout.
-REQ_CONTROLLER_SEEN_ATTR = "session_ref_controller_seen"
+# The streaming session a ``Req`` is counted in flight for (cleared on finish).
+REQ_STREAM_BUSY_ATTR = "session_ref_stream_busy"
 #: Set on a ``Req`` whose KV is released on a failure path before SGLang marks
 #: it aborted (PD transfer/bootstrap failures): it registers nothing.
 REQ_ABORTING_ATTR = "session_ref_aborting"
@@ -190,6 +190,12 @@ class UnifiedSessionRefTracker:
     # keep it.  (The session's references follow its own idle rules in
     # ``idle``.)
     open_timeouts: IdleSchedule = dataclasses.field(default_factory=IdleSchedule)
+    # Streaming id -> its requests in flight.  SGLang defers ending a
+    # streaming session (timeout or close) until its request finishes, so the
+    # id stays explicitly open meanwhile: ``ending`` holds such ids (True once
+    # nothing is in flight: forgotten at the next tick, SGLang's next reap).
+    streaming_busy: dict = dataclasses.field(default_factory=dict)
+    ending: OrderedDict = dataclasses.field(default_factory=OrderedDict)
     # Idle seconds after which a session is released as if closed (None: off).
     ttl: Optional[float] = None
     # Shared clock, in-flight counts and expiry deadlines (session_idle.py).
@@ -305,10 +311,31 @@ class UnifiedSessionRefTracker:
             # The oldest: a later open of it re-opens.
             old, _ = explicit.popitem(last=False)
             self.open_timeouts.remove(old)
+            self.ending.pop(old, None)
 
     def _forget_explicit(self, sid: str) -> None:
         self.explicit.pop(sid, None)
         self.open_timeouts.remove(sid)
+        self.ending.pop(sid, None)
+
+    def _controller_ends(self, sid: str) -> None:
+        """SGLang's controller ends session ``sid`` (its timeout, or a close):
+        at once, or -- a streaming one with a request in flight -- once that
+        request finished."""
+        if sid in self.streaming and self.streaming_busy.get(sid):
+            self.open_timeouts.remove(sid)
+            self.ending[sid] = False
+            return
+        self._forget_streaming(sid)
+        self._forget_explicit(sid)
+
+    def controller_request(self, session_id: Any) -> None:
+        """SGLang's session controller created a request of ``session_id``
+        (``session_params``): that restarts the session's own timeout.  Called
+        when the scheduler receives the request -- a request waiting for its
+        grammar reaches the queue later, a retracted one again."""
+        if self.open_timeouts.sessions:
+            self.open_timeouts.touch(plain_session_id(session_id))
 
     def _open(self, sid: str, new_generation: bool = False, touch: bool = True) -> int:
         """``touch=False``: the caller records the activity itself (an
@@ -366,10 +393,11 @@ class UnifiedSessionRefTracker:
             sid = check_session_id(req_or_session_id)
             return None if sid in self.streaming else self._open(sid)
         req = req_or_session_id
-        if self.open_timeouts.sessions:
-            self._controller_activity(req)
         raw = session_id_of(req)
         if raw is None or _is_streaming(req) or _is_aborted(req):
+            if (_is_streaming(req) and not _is_aborted(req)
+                    and getattr(req, REQ_STREAM_BUSY_ATTR, None) is None):
+                self._streaming_arrived(req)
             return None
         sid = self._checked_id(raw)
         if sid in self.streaming:
@@ -397,15 +425,21 @@ class UnifiedSessionRefTracker:
             self._touch(sid)
         return getattr(req, REQ_GENERATION_ATTR)
 
-    def _controller_activity(self, req: Req) -> None:
-        """SGLang's controller restarts a session's timeout when it creates a
-        request of it (``session_params``); a retracted or preempted request
-        queued again is not created again, so it counts once."""
-        session = getattr(req, "session", None)
-        if session is None or getattr(req, REQ_CONTROLLER_SEEN_ATTR, False):
+    def _streaming_arrived(self, req: Req) -> None:
+        sid = plain_session_id(getattr(req.session, "session_id", None))
+        if sid is not None:
+            self.streaming_busy[sid] = self.streaming_busy.get(sid, 0) + 1
+            setattr(req, REQ_STREAM_BUSY_ATTR, sid)
+
+    def _streaming_left(self, req: Req, sid: str) -> None:
+        setattr(req, REQ_STREAM_BUSY_ATTR, None)
+        n = self.streaming_busy.get(sid, 0) - 1
+        if n > 0:
+            self.streaming_busy[sid] = n
             return
-        setattr(req, REQ_CONTROLLER_SEEN_ATTR, True)
-        self.open_timeouts.touch(plain_session_id(getattr(session, "session_id", None)))
+        self.streaming_busy.pop(sid, None)
+        if sid in self.ending:
+            self.ending[sid] = True  # SGLang's next reap ends it
 
     def _checked_id(self, raw: Any) -> str:
         """``raw`` as a plain id.  An open id passed the check when it was
@@ -418,6 +452,9 @@ class UnifiedSessionRefTracker:
     def request_finished(self, req: Req) -> None:
         """The request left the scheduler (finished, aborted or retracted):
         it no longer keeps its session busy."""
+        stream = getattr(req, REQ_STREAM_BUSY_ATTR, None)
+        if stream is not None:
+            self._streaming_left(req, stream)
         gen = getattr(req, REQ_INFLIGHT_ATTR, None)
         if gen is None:
             return
@@ -551,8 +588,7 @@ class UnifiedSessionRefTracker:
         was never opened is logged and remembered so late finishes register
         nothing.  Returns the number of leaf references dropped."""
         sid = check_session_id(session_id)
-        self._forget_streaming(sid)
-        self._forget_explicit(sid)
+        self._controller_ends(sid)
         if sid not in self.generations:
             if sid in self.closed:
                 logger.debug("session %s already closed; nothing to release", describe_id(sid))
@@ -653,11 +689,14 @@ class UnifiedSessionRefTracker:
         """Deliver a shared-clock value (a scheduler-ordered event, identical
         on every rank) and release the sessions now due, as if closed.
         Returns how many expired."""
+        if self.ending:
+            for sid in [s for s, ready in self.ending.items() if ready]:
+                self._forget_streaming(sid)
+                self._forget_explicit(sid)
         for sid in self.open_timeouts.advance(t):
             # Its own /open_session timeout: SGLang's reaper ends the
             # controller's session (its references follow their idle rules).
-            self._forget_streaming(sid)
-            self._forget_explicit(sid)
+            self._controller_ends(sid)
         due = self.idle.advance(t)
         for sid in due:
             act = self.idle.sessions.get(sid)
@@ -777,6 +816,11 @@ class UnifiedSessionRefTracker:
             )
         if self.open_timeouts.heap_size() > 2 * len(timed) + 64:
             raise SessionStateError("open timeout heap is not bounded by its ids")
+        if not self.ending.keys() <= self.explicit.keys():
+            raise SessionStateError(
+                f"ending sessions {sorted(self.ending.keys() - self.explicit.keys())} "
+                "are no longer explicitly open"
+            )
         problem = self.policy.validate(self.components, self.generations)
         if problem is not None:
             raise SessionStateError(f"protection policy: {problem}")

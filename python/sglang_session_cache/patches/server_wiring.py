@@ -328,6 +328,27 @@ def _wrap_abort_on_waiting_timeout(orig):
     return _abort_on_waiting_timeout
 
 
+def _wrap_handle_generate_request(orig):
+    def handle_generate_request(self, recv_req):
+        # SGLang's controller restarts a session's own timeout when it creates
+        # a request of it, here (a request waiting for its grammar is queued
+        # later); the tracker's mirror of that timeout restarts with it.
+        params = getattr(recv_req, "session_params", None)
+        if (params is not None and getattr(recv_req, "session_id", None) is None
+                and self.server_args.enable_session_radix_cache):
+            tracker = getattr(self.tree_cache, "session_ref_tracker", None)
+            try:
+                sid = _plain_or_none(getattr(params, "id", None))
+                session = self.session_controller.get(sid) if sid is not None else None
+                if tracker is not None and session is not None and not session.close_on_finish:
+                    tracker.controller_request(sid)
+            except Exception as e:  # noqa: BLE001 - never into the scheduler loop
+                _sched_logger.warning("session timeout not restarted: %s", _session_error(e))
+        return orig(self, recv_req)
+
+    return handle_generate_request
+
+
 def apply_scheduler(module) -> None:
     cls = module.Scheduler
     wrap_method(cls, "open_session", _wrap_open_session)
@@ -336,6 +357,7 @@ def apply_scheduler(module) -> None:
     wrap_method(cls, "abort_request", _wrap_abort_request)
     wrap_method(cls, "_abort_on_queued_limit", _wrap_abort_on_queued_limit)
     wrap_method(cls, "_abort_on_waiting_timeout", _wrap_abort_on_waiting_timeout)
+    wrap_method(cls, "handle_generate_request", _wrap_handle_generate_request)
 
 
 # ---- scheduler stats: session metrics in the log line and Prometheus -----------

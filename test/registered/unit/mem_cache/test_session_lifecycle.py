@@ -23,6 +23,7 @@ from sglang.srt.managers.io_struct import (  # noqa: E402
 )
 from sglang.srt.mem_cache.unified_cache_components import ComponentType  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang_session_cache.patches.server_wiring import _request_left  # noqa: E402
 from sglang_session_cache.session_tracker import SessionRefError  # noqa: E402
 
 FULL = ComponentType.FULL
@@ -59,10 +60,22 @@ def referenced_ids(h, sid, ct=FULL):
 # ---- issue 11 item 1: classic sessions ----------------------------------------
 
 
-def classic_req(sched, sid, tokens, rid, parent_rid=None):
+def classic_req(sched, sid, tokens, rid, parent_rid=None, queue=True):
     """What Scheduler.handle_generate_request does for session_params={"id": sid}:
-    the SessionController session builds the Req (no top-level session_id)."""
-    session = sched.session_controller.get(sid)
+    the SessionController session builds the Req (no top-level session_id),
+    and the scheduler queues it (``queue=False``: later, as a request waiting
+    for its grammar).  Run through this package's wrapper of that method, with
+    the SGLang part (which needs a model and a tokenizer) done here."""
+    from sglang_session_cache.patches.server_wiring import _wrap_handle_generate_request
+
+    created = []
+
+    def create_and_queue(sched, recv):
+        req = sched.session_controller.get(sid).create_req(recv, None, vocab_size=1 << 20)
+        if queue:
+            sched._add_request_to_queue(req)
+        created.append(req)
+
     recv = TokenizedGenerateReqInput(
         rid=rid,
         input_text="",
@@ -78,9 +91,8 @@ def classic_req(sched, sid, tokens, rid, parent_rid=None):
         stream=False,
         session_params=SessionParams(id=sid, rid=parent_rid),
     )
-    req = session.create_req(recv, None, vocab_size=1 << 20)
-    sched._add_request_to_queue(req)
-    return req
+    _wrap_handle_generate_request(create_and_queue)(sched, recv)
+    return created[0]
 
 
 def test_classic_session_requests_register_references(server_args):
@@ -155,6 +167,8 @@ def test_a_streaming_sessions_own_timeout_ends_its_open(server_args, monkeypatch
     h.cache.advance_session_clock(103.0)
     req = classic_req(sched, "st", SYSTEM + [1], "st-1")  # its timeout restarts
     assert getattr(req, "session_ref_generation", None) is None
+    h.prefill(req)
+    done(h, req)  # nothing in flight when it is due
     h.cache.advance_session_clock(107.9)
     assert t.is_explicitly_open("st") and "st" in t.streaming
     h.cache.advance_session_clock(108.0)
@@ -178,6 +192,8 @@ def test_a_requeued_streaming_request_does_not_restart_its_timeout(server_args, 
     h.cache.advance_session_clock(104.0)
     sched.waiting_queue.clear()
     sched._add_request_to_queue(req, is_retracted=True)  # queued again
+    sched.waiting_queue.clear()
+    _request_left(sched, req)  # and gone before it is due
     h.cache.advance_session_clock(106.0)
     assert not t.is_explicitly_open("st") and "st" not in t.streaming
 
@@ -207,6 +223,43 @@ def test_an_open_timeout_runs_without_requests_and_zero_is_a_timeout(server_args
     h.cache.advance_session_clock(10_000.0)
     assert t.generations["t"] == gen and t.is_explicitly_open("t")
     h.cache.validate_session_state()
+
+
+def test_a_streaming_session_with_a_request_in_flight_ends_after_it(server_args, monkeypatch):
+    """SGLang defers ending a streaming session (its timeout or a close)
+    while its request runs; the id stays explicitly open until then, so an
+    open meanwhile is refused on both sides."""
+    for how in ("timeout", "close"):
+        h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
+        req = classic_req(sched, "st", SYSTEM + [1], "st-1")  # due at 105
+        h.prefill(req)
+        if how == "close":
+            sched.close_session(CloseSessionReqInput(session_id="st"))
+        h.cache.advance_session_clock(106.0)
+        assert t.is_explicitly_open("st") and "st" in t.streaming
+        assert sched.session_controller.get("st") is not None  # SGLang deferred it too
+        done(h, req)
+        assert t.is_explicitly_open("st")  # until SGLang's next reap (the next tick)
+        h.cache.advance_session_clock(106.5)
+        assert not t.is_explicitly_open("st") and "st" not in t.streaming
+        assert not t.streaming_busy and not t.ending
+        h.cache.validate_session_state()
+
+
+def test_a_request_waiting_for_its_grammar_restarts_the_timeout_when_created(
+        server_args, monkeypatch):
+    h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
+    h.cache.advance_session_clock(104.0)
+    req = classic_req(sched, "st", SYSTEM + [1], "st-1", queue=False)  # due at 109
+    h.cache.advance_session_clock(105.5)
+    assert t.is_explicitly_open("st")  # not 105: the open's own deadline
+    sched._add_request_to_queue(req)  # grammar ready: queued now, not created again
+    h.cache.advance_session_clock(108.9)
+    assert t.is_explicitly_open("st")
+    sched.waiting_queue.clear()
+    _request_left(sched, req)  # it leaves (aborted) before running
+    h.cache.advance_session_clock(109.0)
+    assert not t.is_explicitly_open("st")
 
 
 def test_a_regular_open_of_a_streaming_id_tracks_it(h):
