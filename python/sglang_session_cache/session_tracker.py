@@ -430,6 +430,9 @@ class UnifiedSessionRefTracker:
         if sid is not None:
             self.streaming_busy[sid] = self.streaming_busy.get(sid, 0) + 1
             setattr(req, REQ_STREAM_BUSY_ATTR, sid)
+            if sid in self.ending:
+                # Retracted and queued again: still in flight, not ended yet.
+                self.ending[sid] = False
 
     def _streaming_left(self, req: Req, sid: str) -> None:
         setattr(req, REQ_STREAM_BUSY_ATTR, None)
@@ -833,6 +836,7 @@ __all__ = [
     "MAX_OPEN_SESSION_CHARS",
     "REQ_ABORTING_ATTR",
     "REQ_INFLIGHT_ATTR",
+    "REQ_STREAM_BUSY_ATTR",
     "STREAMING_ID_LIMIT",
     "describe_id",
     "plain_session_id",

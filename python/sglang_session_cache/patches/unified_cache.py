@@ -165,16 +165,19 @@ def _wrap_reset_full(orig):
 
 
 def _wrap_cache_finished_req(orig):
-    from sglang_session_cache.session_tracker import REQ_INFLIGHT_ATTR
+    from sglang_session_cache.session_tracker import REQ_INFLIGHT_ATTR, REQ_STREAM_BUSY_ATTR
 
     def cache_finished_req(self, req, is_insert=True, *, kv_len_to_handle, **kwargs):
         tracker = self.session_ref_tracker
         if tracker is None or (
             # No session of any kind and never counted in flight: nothing to
             # register or finish (plain attribute reads, nothing that can raise).
+            # A streaming request SGLang detached from its session
+            # (req.session = None) is still counted: it finishes below.
             getattr(req, "session_id", None) is None
             and getattr(req, "session", None) is None
             and getattr(req, REQ_INFLIGHT_ATTR, None) is None
+            and getattr(req, REQ_STREAM_BUSY_ATTR, None) is None
         ):
             return orig(self, req, is_insert, kv_len_to_handle=kv_len_to_handle, **kwargs)
         register = is_insert and guarded(tracker.should_register, req)

@@ -246,6 +246,56 @@ def test_a_streaming_session_with_a_request_in_flight_ends_after_it(server_args,
         h.cache.validate_session_state()
 
 
+def test_a_retracted_streaming_request_keeps_its_closing_session(server_args, monkeypatch):
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
+    req = classic_req(sched, "st", SYSTEM + [1], "st-1")
+    sched.waiting_queue.clear()
+    h.prefill(req)
+    sched.close_session(CloseSessionReqInput(session_id="st"))  # deferred: it runs
+    # Retracted (freed without an insert, reset) and queued again: in flight.
+    release_kv_cache(req, h.cache, is_insert=False)
+    del h.live_reqs[req.rid]
+    req.reset_for_retract()
+    sched._add_request_to_queue(req, is_retracted=True)
+    h.cache.advance_session_clock(101.0)
+    assert t.is_explicitly_open("st") and t.ending == {"st": False}
+    sched.waiting_queue.clear()
+    h.prefill(req)
+    done(h, req)
+    h.cache.advance_session_clock(102.0)
+    assert not t.is_explicitly_open("st") and not t.ending and not t.streaming_busy
+
+
+def test_a_refused_streaming_request_detached_from_its_session_still_ends(
+        server_args, monkeypatch):
+    # SGLang refuses a second request while one runs ("already has an active
+    # request") and detaches it from the session when it is scheduled
+    # (req.session = None); its finish still counts.
+    h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
+    first = classic_req(sched, "st", SYSTEM + [1], "st-1")
+    sched.waiting_queue.clear()
+    h.prefill(first)
+    done(h, first)
+    running = classic_req(sched, "st", [2, 3], "st-2")
+    sched.waiting_queue.clear()
+    h.prefill(running)
+    refused = classic_req(sched, "st", [4], "st-3")
+    sched.waiting_queue.clear()
+    assert refused.to_finish is not None
+    h.prefill(refused, finishing=True)
+    assert refused.session is None  # detached by SGLang
+    refused.finished_reason, refused.to_finish = refused.to_finish, None
+    h.finish(refused)
+    done(h, running)
+    assert not t.streaming_busy
+    sched.close_session(CloseSessionReqInput(session_id="st"))
+    h.cache.advance_session_clock(101.0)
+    assert not t.is_explicitly_open("st") and "st" not in t.streaming
+    h.cache.validate_session_state()
+
+
 def test_a_request_waiting_for_its_grammar_restarts_the_timeout_when_created(
         server_args, monkeypatch):
     h, t, sched = _streaming_session_with_timeout(server_args, monkeypatch)
