@@ -77,9 +77,10 @@ def referenced_tokens(tracker) -> dict:
 
 
 def _referenced_state(tracker) -> tuple:
-    """What the referenced device data can only change with: the components
-    (a reset replaces them), what references cover (closes, expiries,
-    withdrawals, registrations) and referenced data evicted (breaches)."""
+    """What the referenced device data changes with: the components (a reset
+    replaces them), what references cover (closes, expiries, withdrawals,
+    registrations) and referenced data evicted (breaches).  KV loaded back
+    into a referenced node changes none of these: it shows after max_age."""
     return (
         id(tracker.components),
         tuple(refs.ref_units for refs in tracker.components.values()),

@@ -284,7 +284,7 @@ class UnifiedSessionRefTracker:
             self._remember_streaming(sid)
             return None
         # A regular open of an id that was streaming: it is not any more.
-        self._forget_streaming(sid)
+        self.streaming.pop(sid, None)
         gen = self._open(sid, new_generation=True)
         act = self.idle.sessions[sid]
         if act.ttl != own_ttl:  # an already open session takes the new timeout
@@ -309,9 +309,7 @@ class UnifiedSessionRefTracker:
         explicit.move_to_end(sid)
         while len(explicit) > self.max_open_sessions:
             # The oldest: a later open of it re-opens.
-            old, _ = explicit.popitem(last=False)
-            self.open_timeouts.remove(old)
-            self.ending.pop(old, None)
+            self._forget_explicit(next(iter(explicit)))
 
     def _forget_explicit(self, sid: str) -> None:
         self.explicit.pop(sid, None)
@@ -326,7 +324,10 @@ class UnifiedSessionRefTracker:
             self.open_timeouts.remove(sid)
             self.ending[sid] = False
             return
-        self._forget_streaming(sid)
+        self._controller_ended(sid)
+
+    def _controller_ended(self, sid: str) -> None:
+        self.streaming.pop(sid, None)
         self._forget_explicit(sid)
 
     def controller_request(self, session_id: Any) -> None:
@@ -394,8 +395,9 @@ class UnifiedSessionRefTracker:
             return None if sid in self.streaming else self._open(sid)
         req = req_or_session_id
         raw = session_id_of(req)
-        if raw is None or _is_streaming(req) or _is_aborted(req):
-            if (_is_streaming(req) and not _is_aborted(req)
+        streaming = _is_streaming(req)
+        if raw is None or streaming or _is_aborted(req):
+            if (streaming and not _is_aborted(req)
                     and getattr(req, REQ_STREAM_BUSY_ATTR, None) is None):
                 self._streaming_arrived(req)
             return None
@@ -648,9 +650,6 @@ class UnifiedSessionRefTracker:
         while len(self.streaming) > self.streaming_limit:
             self.streaming.popitem(last=False)
 
-    def _forget_streaming(self, sid: str) -> None:
-        self.streaming.pop(sid, None)
-
     def _touch(self, sid: str) -> None:
         if sid in self.recency:
             self.recency.move_to_end(sid)
@@ -694,8 +693,7 @@ class UnifiedSessionRefTracker:
         Returns how many expired."""
         if self.ending:
             for sid in [s for s, ready in self.ending.items() if ready]:
-                self._forget_streaming(sid)
-                self._forget_explicit(sid)
+                self._controller_ended(sid)
         for sid in self.open_timeouts.advance(t):
             # Its own /open_session timeout: SGLang's reaper ends the
             # controller's session (its references follow their idle rules).

@@ -275,15 +275,21 @@ def _request_left(sched, req) -> None:
         guarded(tracker.request_finished, req)
 
 
+def _left_queue(sched, before) -> None:
+    """Requests of ``before`` no longer in the waiting queue left it without
+    a finish: they stop keeping their session busy."""
+    kept = {id(r) for r in sched.waiting_queue}
+    for req in before:
+        if id(req) not in kept:
+            _request_left(sched, req)
+
+
 def _queued_left(sched, orig, *args):
     """Run ``orig``; requests it took out of the waiting queue without a
     finish (aborted before they started) stop keeping their session busy."""
     before = list(sched.waiting_queue)
     out = orig(sched, *args)
-    after = {id(r) for r in sched.waiting_queue}
-    for req in before:
-        if id(req) not in after:
-            _request_left(sched, req)
+    _left_queue(sched, before)
     return out
 
 
@@ -317,12 +323,8 @@ def _wrap_abort_on_waiting_timeout(orig):
         # the queue list; those never finish, so they leave here.
         before = self.waiting_queue
         out = orig(self)
-        after = self.waiting_queue
-        if after is not before and self.server_args.enable_session_radix_cache:
-            kept = {id(r) for r in after}
-            for req in before:
-                if id(req) not in kept:
-                    _request_left(self, req)
+        if self.waiting_queue is not before and self.server_args.enable_session_radix_cache:
+            _left_queue(self, before)
         return out
 
     return _abort_on_waiting_timeout
