@@ -301,12 +301,15 @@ PATCHES: tuple[Patch, ...] = (
         name="pool_configurator.swa_floor_pool_minimum",
         module="sglang.srt.model_executor.pool_configurator",
         targets=("HybridSWAPoolConfigurator.__init__",
-                 "HybridSWAPoolConfigurator._solve_pool_sizes"),
+                 "HybridSWAPoolConfigurator.calculate_pool_sizes",
+                 "HybridSWAPoolConfigurator.calculate_pool_sizes_from_max_tokens"),
         apply="sglang_session_cache.patches.swa_pool_sizing:apply_pool_configurator",
         why="With the SWA retain floor on (SWA + Mamba, extra buffer, radix "
         "cache), the SWA pool holds at least max_running_requests x (window + "
         "mamba track interval + page): KV bytes move from the full pool when "
         "the ratio-based SWA pool is smaller, never more bytes in total; the "
+        "SWA pool depends on the full pool only, so a re-solve from a token "
+        "cap or the PP-stage minimum keeps that full pool on every stage; the "
         "chosen sizes are logged. Unchanged otherwise.",
     ),
 )

@@ -44,19 +44,47 @@ full pool)`` of them. The chosen sizes are logged through SGLang's
 
 The seam
 --------
-``HybridSWAPoolConfigurator._solve_pool_sizes`` is the one place 0.5.16 turns
-a token count into (full, SWA) pool sizes: the profiling path
-(``calculate_pool_sizes``), the constraint path
-(``calculate_pool_sizes_from_max_tokens``, e.g. ``--max-total-tokens``) and the
-post-CUDA-graph resize (``config_from_budget``) all go through it. It has no
-handle on the server's request limits, so ``__init__`` (which receives the
-``KVCacheConfigurator``) records a small sizing plan on the instance; the
-wrapped ``_solve_pool_sizes`` applies it to the original's result. Without a
-plan (floor off: no Mamba, no sliding window, no extra buffer, radix cache
+``HybridSWAPoolConfigurator`` turns a size into (full, SWA) pools in two
+methods, both through ``_solve_pool_sizes``: ``calculate_pool_sizes`` (from a
+byte budget: the profiling path and the post-CUDA-graph resize, both via
+``KVCacheConfigurator.config_from_budget``) and
+``calculate_pool_sizes_from_max_tokens`` (from a constrained token count,
+e.g. ``--max-total-tokens``). Both are wrapped, since the floor treats a
+budget and a count differently (below). The configurator has no handle on
+the server's request limits, so ``__init__`` (which receives the
+``KVCacheConfigurator``) records a small sizing plan on the instance. Without
+a plan (floor off: no Mamba, no sliding window, no extra buffer, radix cache
 disabled, the C++ radix tree) or for all-SWA models (no full pool) the
 original's result is returned untouched. ``SWAChunkCapPoolConfigurator``
-(radix cache disabled) and the DSV4 configurator never call
-``_solve_pool_sizes``.
+(radix cache disabled) overrides both methods, and the DSV4 configurator is
+another class: neither is touched.
+
+The SWA pool is a function of the full pool
+------------------------------------------
+``config_from_budget`` solves from the byte budget, applies the token
+constraints (``--max-total-tokens``, and with ``--pp-size > 1`` the minimum
+over the pipeline stages) and, only where those changed the full pool,
+solves again from the constrained count. Each PP stage has its own layers,
+so a byte-neutral rebalance differs per stage, and applied to an already
+rebalanced count it would shrink the full pool a second time: the stages
+would end with different pools, where SGLang needs them identical. So every
+result is ``(F, swa_for_full(F))`` -- the ratio-based SWA pool raised to the
+minimum for ``resolve_max_num_reqs(F)`` and at most ``F`` -- which depends on
+the full pool only:
+
+* solving from bytes (``calculate_pool_sizes``) picks ``F`` by the rebalance
+  above, then the SWA pool for that ``F`` (never more than the rebalance gave
+  it, so the bytes stay within SGLang's split);
+* solving from a constrained count ``M`` no larger than the full pool this
+  configurator solved from bytes (``calculate_pool_sizes_from_max_tokens``,
+  as ``config_from_budget`` calls it) keeps ``F = M``, as stock does; its SWA
+  pool fits in the bytes that solve had, since ``swa_for_full`` is
+  non-decreasing;
+* solving from a count with no byte solve before it falls back to the
+  byte-neutral rebalance of that count.
+
+A stage whose own full pool was the minimum keeps its solve; every other
+stage re-solves from that same count and reaches the same pair.
 
 Not reserved here, as for SGLang's own radix path: the slack between two SWA
 evictions (``SGLANG_SWA_EVICTION_INTERVAL`` decode steps) and in-flight
@@ -66,12 +94,15 @@ prefill chunks; the tree's evictable SWA KV covers those.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from sglang_session_cache.patches._wrap import wrap_method
 
 _PLAN_ATTR = "_sglang_session_cache_swa_floor_plan"
+# The full pool this configurator's last solve from bytes chose.
+_BYTES_FULL_ATTR = "_sglang_session_cache_swa_floor_bytes_full"
 LOG_PREFIX = "SWA retain floor"
 
 
@@ -213,10 +244,46 @@ def _token_bytes(configurator) -> tuple[int, int]:
     return int(full), int(swa)
 
 
+def _stock_swa_tokens(configurator, full: int, page_size: int) -> int:
+    # 0.5.16's hybrid split (``_solve_pool_sizes``): the page-floored ratio.
+    return _floor_align(int(full * configurator._swa_full_tokens_ratio), page_size)
+
+
+def swa_tokens_for_full(configurator, plan: SWAFloorSizingPlan, full: int,
+                        page_size: int) -> tuple[int, int]:
+    """``(SWA pool, running requests)`` for a full pool of ``full`` tokens:
+    the ratio-based SWA pool raised to the page-rounded floor minimum for
+    the requests SGLang derives from ``full``, the raise capped at ``full``.
+    Non-decreasing in ``full``; a function of the full pool alone (see
+    "The SWA pool is a function of the full pool")."""
+    num_reqs = int(plan.resolve_max_num_reqs(full))
+    need = _ceil_align(num_reqs * plan.tokens_per_request, page_size)
+    return max(_stock_swa_tokens(configurator, full, page_size), min(need, full)), num_reqs
+
+
+def _describe(plan: SWAFloorSizingPlan, num_reqs: int) -> str:
+    return (
+        f"{num_reqs} running requests x (sliding window {plan.sliding_window_size} "
+        f"+ mamba track interval {plan.track_interval} + page {plan.page_size})"
+    )
+
+
+def _with_pools(config, full: int, swa: int):
+    if (full, swa) == (config.full_max_total_num_tokens, config.swa_max_total_num_tokens):
+        return config
+    return dataclasses.replace(
+        config,
+        max_total_num_tokens=full,
+        full_max_total_num_tokens=full,
+        swa_max_total_num_tokens=swa,
+    )
+
+
 def apply_floor_minimum(
     configurator, config, plan: SWAFloorSizingPlan, logger, page_size: int
 ):
-    """``config`` with the SWA pool raised to the floor minimum (see the
+    """``config`` (SGLang's split of a budget) with the SWA pool raised to the
+    floor minimum, paid by the full pool, never more bytes in total (see the
     module docstring); logs the chosen sizes."""
     full = config.full_max_total_num_tokens
     swa = config.swa_max_total_num_tokens
@@ -227,21 +294,17 @@ def apply_floor_minimum(
     except Exception as exc:  # SGLang's own call right after reports it
         logger.debug("%s: pool sizing skipped (%r)", LOG_PREFIX, exc)
         return config
-    per_request = plan.tokens_per_request
-    minimum = num_reqs * per_request
-    what = (
-        f"{num_reqs} running requests x (sliding window {plan.sliding_window_size} "
-        f"+ mamba track interval {plan.track_interval} + page {plan.page_size})"
-    )
+    minimum = num_reqs * plan.tokens_per_request
     if swa >= minimum:
         logger.info(
             "%s: swa_layer_tokens=%d covers the SWA pool minimum %d = %s; "
             "full_layer_tokens=%d unchanged",
-            LOG_PREFIX, swa, minimum, what, full,
+            LOG_PREFIX, swa, minimum, _describe(plan, num_reqs), full,
         )
         return config
     full_bytes, swa_bytes = _token_bytes(configurator)
-    new_full, new_swa = rebalance_for_swa_minimum(
+    budget = full * full_bytes + swa * swa_bytes
+    new_full, _ = rebalance_for_swa_minimum(
         full,
         swa,
         min_swa_tokens=minimum,
@@ -249,50 +312,95 @@ def apply_floor_minimum(
         swa_token_bytes=swa_bytes,
         page_size=page_size,
     )
+    # The SWA pool for the full pool chosen (a solve from that count must
+    # reach the same pair, see the module docstring). It fits where the
+    # rebalance reached the minimum; where the minimum capped at the equal
+    # split it may not, and equal pools always do.
+    new_swa, num_reqs = swa_tokens_for_full(configurator, plan, new_full, page_size)
+    if new_full * full_bytes + new_swa * swa_bytes > budget:
+        new_full = _floor_align(budget // (full_bytes + swa_bytes), page_size)
+        new_swa, num_reqs = swa_tokens_for_full(configurator, plan, new_full, page_size)
+    minimum = num_reqs * plan.tokens_per_request
     if new_swa < minimum:
         logger.warning(
             "%s: the SWA pool minimum %d = %s does not fit below the full pool; "
             "swa_layer_tokens %d -> %d, full_layer_tokens %d -> %d%s. "
             "Lower --max-running-requests or --mamba-track-interval to keep "
             "decoded tokens reusable without SWA pressure.",
-            LOG_PREFIX, minimum, what, swa, new_swa, full, new_full,
+            LOG_PREFIX, minimum, _describe(plan, num_reqs), swa, new_swa, full, new_full,
             " (unchanged)" if new_swa == swa else " (SWA pool capped at the equal split)",
         )
     else:
         logger.info(
             "%s: SWA pool minimum %d = %s; swa_layer_tokens %d -> %d, "
             "full_layer_tokens %d -> %d (KV bytes %d -> %d)",
-            LOG_PREFIX, minimum, what, swa, new_swa, full, new_full,
-            full * full_bytes + swa * swa_bytes,
-            new_full * full_bytes + new_swa * swa_bytes,
+            LOG_PREFIX, minimum, _describe(plan, num_reqs), swa, new_swa, full, new_full,
+            budget, new_full * full_bytes + new_swa * swa_bytes,
         )
-    if (new_full, new_swa) == (full, swa):
+    return _with_pools(config, new_full, new_swa)
+
+
+def apply_floor_to_count(configurator, config, plan: SWAFloorSizingPlan, logger,
+                         page_size: int):
+    """``config`` (SGLang's split of a constrained token count no larger than
+    the full pool this configurator solved from bytes) with the full pool
+    kept, as stock keeps it, and the SWA pool for it; logs the sizes."""
+    full = config.full_max_total_num_tokens
+    swa = config.swa_max_total_num_tokens
+    if not full or swa is None:
         return config
-    return dataclasses.replace(
-        config,
-        max_total_num_tokens=new_full,
-        full_max_total_num_tokens=new_full,
-        swa_max_total_num_tokens=new_swa,
+    try:
+        new_swa, num_reqs = swa_tokens_for_full(configurator, plan, full, page_size)
+    except Exception as exc:
+        logger.debug("%s: pool sizing skipped (%r)", LOG_PREFIX, exc)
+        return config
+    minimum = num_reqs * plan.tokens_per_request
+    level = logging.WARNING if new_swa < minimum else logging.INFO
+    logger.log(
+        level,
+        "%s: full_layer_tokens=%d (constrained); SWA pool minimum %d = %s; "
+        "swa_layer_tokens %d -> %d%s",
+        LOG_PREFIX, full, minimum, _describe(plan, num_reqs), swa, new_swa,
+        " (SWA pool capped at the full pool)" if new_swa < minimum else "",
     )
+    return _with_pools(config, full, new_swa)
 
 
 def _wrap_init(orig):
     def __init__(self, kvc, *args, **kwargs):
         orig(self, kvc, *args, **kwargs)
         setattr(self, _PLAN_ATTR, floor_sizing_plan(kvc))
+        setattr(self, _BYTES_FULL_ATTR, None)
 
     return __init__
 
 
-def _wrap_solve_pool_sizes(orig, logger):
-    def _solve_pool_sizes(self, max_total_num_tokens, page_size):
+def _wrap_calculate_pool_sizes(orig, logger):
+    def calculate_pool_sizes(self, available_bytes, page_size):
+        config = orig(self, available_bytes, page_size)
+        plan = getattr(self, _PLAN_ATTR, None)
+        if plan is None:
+            return config
+        config = apply_floor_minimum(self, config, plan, logger, page_size)
+        setattr(self, _BYTES_FULL_ATTR, config.full_max_total_num_tokens)
+        return config
+
+    return calculate_pool_sizes
+
+
+def _wrap_from_max_tokens(orig, logger):
+    def calculate_pool_sizes_from_max_tokens(self, max_total_num_tokens, page_size):
         config = orig(self, max_total_num_tokens, page_size)
         plan = getattr(self, _PLAN_ATTR, None)
         if plan is None:
             return config
+        solved = getattr(self, _BYTES_FULL_ATTR, None)
+        if solved is not None and config.full_max_total_num_tokens <= solved:
+            return apply_floor_to_count(self, config, plan, logger, page_size)
+        # No budget solved before: a byte-neutral split of this count.
         return apply_floor_minimum(self, config, plan, logger, page_size)
 
-    return _solve_pool_sizes
+    return calculate_pool_sizes_from_max_tokens
 
 
 def apply_pool_configurator(module) -> None:
@@ -300,5 +408,10 @@ def apply_pool_configurator(module) -> None:
     logger = module.logger
     wrap_method(cls, "__init__", _wrap_init)
     wrap_method(
-        cls, "_solve_pool_sizes", lambda orig: _wrap_solve_pool_sizes(orig, logger)
+        cls, "calculate_pool_sizes",
+        lambda orig: _wrap_calculate_pool_sizes(orig, logger),
+    )
+    wrap_method(
+        cls, "calculate_pool_sizes_from_max_tokens",
+        lambda orig: _wrap_from_max_tokens(orig, logger),
     )

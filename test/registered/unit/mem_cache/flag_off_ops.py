@@ -199,7 +199,8 @@ def trace_pool_sizes() -> list:
                     out.append([ratio, budget, repr(config)])
                 for tokens in (4096, 65536, 262144):
                     try:  # SGLang's own errors (pool too small) are part of the trace
-                        got = repr(configurator._solve_pool_sizes(tokens, sizing_tests.PAGE))
+                        got = repr(configurator.calculate_pool_sizes_from_max_tokens(
+                            tokens, sizing_tests.PAGE))
                     except ValueError as exc:
                         got = f"ValueError: {exc}"
                     out.append([ratio, tokens, got])

@@ -149,9 +149,13 @@ def test_patch_installed():
     assert "pool_configurator.swa_floor_pool_minimum" in applied_patches()
     cls = pc.HybridSWAPoolConfigurator
     assert getattr(cls.__init__, PATCHED_FLAG, False)
-    assert getattr(cls._solve_pool_sizes, PATCHED_FLAG, False)
-    # Subclasses that never solve through it are untouched.
-    assert "_solve_pool_sizes" not in pc.SWAChunkCapPoolConfigurator.__dict__
+    assert getattr(cls.calculate_pool_sizes, PATCHED_FLAG, False)
+    assert getattr(cls.calculate_pool_sizes_from_max_tokens, PATCHED_FLAG, False)
+    assert not getattr(cls._solve_pool_sizes, PATCHED_FLAG, False)
+    # The subclass that overrides both methods keeps its own.
+    sub = pc.SWAChunkCapPoolConfigurator
+    assert not getattr(sub.calculate_pool_sizes, PATCHED_FLAG, False)
+    assert not getattr(sub.calculate_pool_sizes_from_max_tokens, PATCHED_FLAG, False)
 
 
 # --------------------------------------------------------------------------
@@ -336,15 +340,80 @@ def test_resolve_memory_pool_config_end_to_end(make_kvc, monkeypatch):
 
 
 def test_user_token_cap_path(make_kvc):
-    """--max-total-tokens: config_from_budget re-solves from the cap; the
-    minimum still holds and the full pool stays within the cap."""
+    """--max-total-tokens: config_from_budget re-solves from the cap. The full
+    pool is the cap, as in stock (not rebalanced a second time), the SWA
+    pool holds the minimum, and the bytes stay within the profiled budget."""
     kvc = make_kvc(swa_full_tokens_ratio=0.05, max_total_tokens=200_000)
     config = kvc.config_from_budget(10**9)
-    assert config.full_max_total_num_tokens <= 200_000
-    n = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
-    assert config.swa_max_total_num_tokens >= n * PER_REQ
     configurator = pc.create_memory_pool_configurator(kvc)
-    assert _bytes(config) <= _bytes(_original(configurator, 200_000))
+    assert config.full_max_total_num_tokens == _original(configurator, 200_000).full_max_total_num_tokens
+    n = kvc.resolve_max_num_reqs(config.max_total_num_tokens)
+    assert config.swa_max_total_num_tokens == n * PER_REQ
+    assert _bytes(config) <= 10**9
+
+
+def _sizing_bytes(configurator, config):
+    full, swa = sizing._token_bytes(configurator)
+    return config.full_max_total_num_tokens * full + config.swa_max_total_num_tokens * swa
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.2, 0.6, 0.95])
+def test_a_count_solve_reaches_the_budget_solve(make_kvc, ratio):
+    """A solve from the full pool a budget solve chose returns the same pair
+    (what ``config_from_budget`` relies on when a constraint lands on it), and
+    any smaller count keeps its full pool and fits in the budget."""
+    rng = random.Random(ratio)
+    for budget in (10**8, 3 * 10**8, 10**9, 4 * 10**9):
+        kvc = make_kvc(swa_full_tokens_ratio=ratio, max_mamba_cache_size=rng.choice([300, 5000]))
+        configurator = pc.create_memory_pool_configurator(kvc)
+        solved = configurator.calculate_pool_sizes(budget, PAGE)
+        full = solved.full_max_total_num_tokens
+        again = configurator.calculate_pool_sizes_from_max_tokens(full, PAGE)
+        assert again == solved, (budget, solved, again)
+        for _ in range(20):
+            count = rng.randrange(full // 2, full + 1)
+            got = configurator.calculate_pool_sizes_from_max_tokens(count, PAGE)
+            stock = _original(configurator, count)
+            assert got.full_max_total_num_tokens == stock.full_max_total_num_tokens
+            assert got.swa_max_total_num_tokens >= stock.swa_max_total_num_tokens
+            n = kvc.resolve_max_num_reqs(got.full_max_total_num_tokens)
+            assert got.swa_max_total_num_tokens >= min(n * PER_REQ, got.full_max_total_num_tokens)
+            assert _sizing_bytes(configurator, got) <= budget
+
+
+# Two pipeline stages of one model: different layer mixes, so different
+# bytes per token and different profiled budgets.
+STAGES = (dict(full_layers=(3, 7), swa_layers=(1, 5, 9)),
+          dict(full_layers=(2,), swa_layers=(0, 4, 6, 8)))
+
+
+@pytest.mark.parametrize("ratio,budgets", [
+    (0.05, (10**9, 10**9)),
+    (0.05, (10**9, 7 * 10**8)),
+    (0.2, (4 * 10**9, 2 * 10**9)),
+    (0.6, (3 * 10**8, 10**9)),
+])
+def test_pipeline_stages_end_with_the_same_pools(make_kvc, monkeypatch, ratio, budgets):
+    """``config_from_budget`` on each PP stage, with the stage sync
+    (``_apply_token_constraints``: an all-reduce MIN over the stages' full
+    pools) answered with the real minimum of the stages' own solves: every
+    stage ends with the same full and SWA pools, each within its budget.
+    Rebalancing the minimum a second time on the stages that re-solve from
+    it would leave them with a smaller full pool than the stage that did
+    not."""
+    kvcs = [make_kvc(swa_full_tokens_ratio=ratio, **stage) for stage in STAGES]
+    own = [kvc.config_from_budget(b).full_max_total_num_tokens for kvc, b in zip(kvcs, budgets)]
+    minimum = min(own)
+    monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints",
+                        lambda self, cap: min(cap, minimum))
+    results = []
+    for kvc, budget in zip(kvcs, budgets):
+        config = kvc.config_from_budget(budget)
+        configurator = pc.create_memory_pool_configurator(kvc)
+        assert _sizing_bytes(configurator, config) <= budget
+        results.append((config.full_max_total_num_tokens, config.swa_max_total_num_tokens))
+    assert results[0] == results[1], (own, results)
+    assert results[0][0] == minimum
 
 
 def test_minimum_above_the_full_pool_caps_at_the_equal_split(make_kvc, caplog):
