@@ -387,13 +387,16 @@ STAGES = (dict(full_layers=(3, 7), swa_layers=(1, 5, 9)),
           dict(full_layers=(2,), swa_layers=(0, 4, 6, 8)))
 
 
-@pytest.mark.parametrize("ratio,budgets", [
-    (0.05, (10**9, 10**9)),
-    (0.05, (10**9, 7 * 10**8)),
-    (0.2, (4 * 10**9, 2 * 10**9)),
-    (0.6, (3 * 10**8, 10**9)),
+@pytest.mark.parametrize("ratio,budgets,states", [
+    (0.05, (10**9, 10**9), 300),
+    (0.05, (10**9, 7 * 10**8), 300),
+    (0.2, (4 * 10**9, 2 * 10**9), 300),
+    (0.6, (3 * 10**8, 10**9), 300),
+    # 1000 requests: the minimum exceeds the pools, the equal-split cap.
+    (0.05, (10**8, 7 * 10**7), 5000),
+    (0.9, (10**8, 2 * 10**8), 5000),
 ])
-def test_pipeline_stages_end_with_the_same_pools(make_kvc, monkeypatch, ratio, budgets):
+def test_pipeline_stages_end_with_the_same_pools(make_kvc, monkeypatch, ratio, budgets, states):
     """``config_from_budget`` on each PP stage, with the stage sync
     (``_apply_token_constraints``: an all-reduce MIN over the stages' full
     pools) answered with the real minimum of the stages' own solves: every
@@ -401,7 +404,8 @@ def test_pipeline_stages_end_with_the_same_pools(make_kvc, monkeypatch, ratio, b
     Rebalancing the minimum a second time on the stages that re-solve from
     it would leave them with a smaller full pool than the stage that did
     not."""
-    kvcs = [make_kvc(swa_full_tokens_ratio=ratio, **stage) for stage in STAGES]
+    kvcs = [make_kvc(swa_full_tokens_ratio=ratio, max_mamba_cache_size=states, **stage)
+            for stage in STAGES]
     own = [kvc.config_from_budget(b).full_max_total_num_tokens for kvc, b in zip(kvcs, budgets)]
     minimum = min(own)
     monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints",
