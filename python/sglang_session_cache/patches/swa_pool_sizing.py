@@ -28,7 +28,7 @@ where ``max_running_requests`` is what SGLang will derive from the full pool
 (``KVCacheConfigurator.resolve_max_num_reqs(full_tokens)``, the very call that
 follows the sizing). If the ratio-based SWA pool is smaller, KV bytes move
 from the full pool to the SWA pool until it holds the minimum: the result
-never uses more bytes than SGLang's own split for the same input, both pools
+never uses more bytes than SGLang's own split of the same budget, both pools
 stay page aligned, and since ``resolve_max_num_reqs`` is non-decreasing in the
 token capacity, the smaller full pool can only lower ``max_running_requests``,
 so the minimum still holds for the request count SGLang then picks. An SWA
@@ -68,17 +68,18 @@ solves again from the constrained count. Each PP stage has its own layers,
 so a byte-neutral rebalance differs per stage, and applied to an already
 rebalanced count it would shrink the full pool a second time: the stages
 would end with different pools, where SGLang needs them identical. So every
-result is ``(F, swa_for_full(F))`` -- the ratio-based SWA pool raised to the
+result is ``(F, swa_tokens_for_full(F))`` -- the ratio-based SWA pool raised to the
 minimum for ``resolve_max_num_reqs(F)`` and at most ``F`` -- which depends on
 the full pool only:
 
 * solving from bytes (``calculate_pool_sizes``) picks ``F`` by the rebalance
   above, then the SWA pool for that ``F`` (never more than the rebalance gave
-  it, so the bytes stay within SGLang's split);
+  it, so the bytes stay within SGLang's split; where the minimum capped at
+  the equal split and that SWA pool would not fit, ``F`` is the equal split);
 * solving from a constrained count ``M`` no larger than the full pool this
   configurator solved from bytes (``calculate_pool_sizes_from_max_tokens``,
   as ``config_from_budget`` calls it) keeps ``F = M``, as stock does; its SWA
-  pool fits in the bytes that solve had, since ``swa_for_full`` is
+  pool fits in the bytes that solve had, since ``swa_tokens_for_full`` is
   non-decreasing;
 * solving from a count with no byte solve before it falls back to the
   byte-neutral rebalance of that count.
