@@ -142,6 +142,13 @@ def swa_floor_pool_minimum(
     )
 
 
+def _equal_split(budget: int, full_token_bytes: int, swa_token_bytes: int,
+                 page_size: int) -> int:
+    """Tokens of each pool when ``budget`` bytes buy as many full as SWA
+    tokens (page floored)."""
+    return _floor_align(budget // (full_token_bytes + swa_token_bytes), page_size)
+
+
 def rebalance_for_swa_minimum(
     full_tokens: int,
     swa_tokens: int,
@@ -165,7 +172,7 @@ def rebalance_for_swa_minimum(
     assert full_token_bytes > 0 and swa_token_bytes > 0, (full_token_bytes, swa_token_bytes)
     budget = full_tokens * full_token_bytes + swa_tokens * swa_token_bytes
     target = _ceil_align(min_swa_tokens, page_size)
-    equal = _floor_align(budget // (full_token_bytes + swa_token_bytes), page_size)
+    equal = _equal_split(budget, full_token_bytes, swa_token_bytes, page_size)
     if target > equal:
         target = equal
         if target <= swa_tokens:
@@ -319,7 +326,7 @@ def apply_floor_minimum(
     # split it may not, and equal pools always do.
     new_swa, num_reqs = swa_tokens_for_full(configurator, plan, new_full, page_size)
     if new_full * full_bytes + new_swa * swa_bytes > budget:
-        new_full = _floor_align(budget // (full_bytes + swa_bytes), page_size)
+        new_full = _equal_split(budget, full_bytes, swa_bytes, page_size)
         new_swa, num_reqs = swa_tokens_for_full(configurator, plan, new_full, page_size)
     minimum = num_reqs * plan.tokens_per_request
     if new_swa < minimum:

@@ -28,6 +28,7 @@ from sglang_session_cache.patches import swa_pool_sizing as sizing
 from sglang_session_cache.patches._wrap import PATCHED_FLAG
 
 LOGGER = "sglang.srt.model_executor.pool_configurator"
+REAL_CONSTRAINTS = KVCacheConfigurator._apply_token_constraints
 # (stock when imported by flag_off_ops in an unpatched interpreter)
 ORIGINAL_SOLVE = getattr(pc.HybridSWAPoolConfigurator._solve_pool_sizes, "__wrapped__",
                          pc.HybridSWAPoolConfigurator._solve_pool_sizes)
@@ -387,6 +388,25 @@ STAGES = (dict(full_layers=(3, 7), swa_layers=(1, 5, 9)),
           dict(full_layers=(2,), swa_layers=(0, 4, 6, 8)))
 
 
+def _size_pipeline(kvcs, budgets, monkeypatch):
+    """``config_from_budget`` on each PP stage as SGLang runs it: each
+    stage's own solve (the real token constraints), then every stage again
+    with the stage sync (``_apply_token_constraints``, an all-reduce MIN over
+    the stages' full pools) answered with the minimum of those solves.
+    Returns the stages' own full pools and their final configs; ``None``
+    where a stage's own solve hit SGLang's "pool too small" errors."""
+    monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints", REAL_CONSTRAINTS)
+    try:
+        own = [kvc.config_from_budget(b).full_max_total_num_tokens
+               for kvc, b in zip(kvcs, budgets)]
+    except (ValueError, RuntimeError):
+        return None
+    minimum = min(own)
+    monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints",
+                        lambda self, cap: min(cap, minimum))
+    return own, [kvc.config_from_budget(b) for kvc, b in zip(kvcs, budgets)]
+
+
 @pytest.mark.parametrize("ratio,budgets,states", [
     (0.05, (10**9, 10**9), 300),
     (0.05, (10**9, 7 * 10**8), 300),
@@ -397,27 +417,22 @@ STAGES = (dict(full_layers=(3, 7), swa_layers=(1, 5, 9)),
     (0.9, (10**8, 2 * 10**8), 5000),
 ])
 def test_pipeline_stages_end_with_the_same_pools(make_kvc, monkeypatch, ratio, budgets, states):
-    """``config_from_budget`` on each PP stage, with the stage sync
-    (``_apply_token_constraints``: an all-reduce MIN over the stages' full
-    pools) answered with the real minimum of the stages' own solves: every
-    stage ends with the same full and SWA pools, each within its budget.
-    Rebalancing the minimum a second time on the stages that re-solve from
-    it would leave them with a smaller full pool than the stage that did
-    not."""
+    """Sized as on PP stages (``_size_pipeline``): every stage ends with the
+    same full and SWA pools, each within its budget. Rebalancing the minimum
+    a second time on the stages that re-solve from it would leave them with
+    a smaller full pool than the stage that did not."""
     kvcs = [make_kvc(swa_full_tokens_ratio=ratio, max_mamba_cache_size=states, **stage)
             for stage in STAGES]
-    own = [kvc.config_from_budget(b).full_max_total_num_tokens for kvc, b in zip(kvcs, budgets)]
-    minimum = min(own)
-    monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints",
-                        lambda self, cap: min(cap, minimum))
+    sized = _size_pipeline(kvcs, budgets, monkeypatch)
+    assert sized is not None
+    own, configs = sized
     results = []
-    for kvc, budget in zip(kvcs, budgets):
-        config = kvc.config_from_budget(budget)
+    for kvc, budget, config in zip(kvcs, budgets, configs):
         configurator = pc.create_memory_pool_configurator(kvc)
         assert _sizing_bytes(configurator, config) <= budget
         results.append((config.full_max_total_num_tokens, config.swa_max_total_num_tokens))
     assert results[0] == results[1], (own, results)
-    assert results[0][0] == minimum
+    assert results[0][0] == min(own)
 
 
 def test_minimum_above_the_full_pool_caps_at_the_equal_split(make_kvc, caplog):
@@ -463,7 +478,6 @@ def test_pipeline_stages_agree_randomized(make_kvc, monkeypatch):
     all with the same pools (ee6be09's sizing disagreed in about a quarter
     of such draws)."""
     rng = random.Random(7)
-    real_constraints = KVCacheConfigurator._apply_token_constraints
     ran = 0
     for _ in range(40):
         page = rng.choice([1, 16, 64, 128])
@@ -482,18 +496,12 @@ def test_pipeline_stages_agree_randomized(make_kvc, monkeypatch):
                                swa_layers=tuple(ids[n_full:n_full + n_swa])))
         budgets = [rng.randrange(5 * 10**7, 6 * 10**9) for _ in stages]
         kvcs = [make_kvc(**kw, **stage) for stage in stages]
-        monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints", real_constraints)
-        try:
-            own = [kvc.config_from_budget(b).full_max_total_num_tokens
-                   for kvc, b in zip(kvcs, budgets)]
-        except (ValueError, RuntimeError):
+        sized = _size_pipeline(kvcs, budgets, monkeypatch)
+        if sized is None:
             continue  # SGLang's own "pool too small" errors
-        minimum = min(own)
-        monkeypatch.setattr(KVCacheConfigurator, "_apply_token_constraints",
-                            lambda self, cap: min(cap, minimum))
+        own, configs = sized
         pools = set()
-        for kvc, budget in zip(kvcs, budgets):
-            config = kvc.config_from_budget(budget)
+        for kvc, budget, config in zip(kvcs, budgets, configs):
             full, swa = config.full_max_total_num_tokens, config.swa_max_total_num_tokens
             assert full % page == 0 and swa % page == 0
             assert _sizing_bytes(pc.create_memory_pool_configurator(kvc), config) <= budget
