@@ -114,6 +114,9 @@ class ComponentSessionRefs(ABC):
         # states), kept on every 0 <-> non-zero flip so the protection bound
         # (protection_policy.py) reads it in O(1).
         self.ref_units = 0
+        # Nodes whose mirrored count went down since FULL's kept leaf heap
+        # last looked (``full_leaf_heap``): their heap keys are too high.
+        self.lowered: set = set()
 
     def follow(self, owner: "ComponentSessionRefs") -> None:
         """Share ``owner``'s leaf index instead of keeping an identical one
@@ -218,6 +221,8 @@ class ComponentSessionRefs(ABC):
         cd.session_ref = ref
         if self.mirror_on_node:
             node.full_session_ref = ref
+            if delta < 0:
+                self.lowered.add(node)
         if ref == 0:
             self.ref_units -= self.units(node)
         elif old == 0:

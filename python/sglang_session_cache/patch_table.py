@@ -73,7 +73,8 @@ PATCHES: tuple[Patch, ...] = (
         apply="sglang_session_cache.patches.unified_cache:apply_unified_cache",
         why="With enable_session_radix_cache: composes UnifiedSessionRefTracker, "
         "swaps in session-aware SWA/Mamba components via "
-        "component_registry_override, partitioned LRUs and the FULL heap key; "
+        "component_registry_override, partitioned LRUs and the FULL heap key "
+        "(the heap kept across evictions under the lru policy); "
         "registers refs after a finished request's insert and keeps counts "
         "right across splits and evictions (a session cache also gets its own "
         "_evict_device_leaf, on the instance, with those hooks in line). "

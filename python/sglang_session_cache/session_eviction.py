@@ -1,7 +1,9 @@
 """Session-aware eviction for the unified tree.
 
-* FULL keeps SGLang's leaf heap (rebuilt per eviction, as in 0.5.16); only its
-  key changes, to ``(is_referenced, session_ref, configured policy priority)``.
+* FULL keeps SGLang's leaf heap; its key changes, to ``(is_referenced,
+  session_ref, configured policy priority)``.  With the default LRU policy
+  the heap is kept across evictions (``full_leaf_heap``) instead of rebuilt
+  per call as in 0.5.16; it evicts the same leaves.
 * SWA and Mamba keep their LRU walks over a ``PartitionedLRUList``; the walk
   parks a cursor sentinel in front of each victim so it can continue after the
   eviction reshuffled the list, and it skips nodes whose eviction would take a
@@ -25,6 +27,8 @@ from sglang.srt.mem_cache.unified_cache_components import (
     MambaComponent,
     SWAComponent,
 )
+
+from sglang_session_cache.full_leaf_heap import FullLeafHeap
 
 
 def _full_heap_drive(component, leaves: set, evict_leaf, request: int, tracker: dict) -> None:
@@ -66,6 +70,8 @@ def full_eviction_key(cache, node):
 
 
 class SessionAwareFullComponent(FullComponent):
+    _session_leaf_heap = None  # FullLeafHeap, made on the first eviction
+
     def commit_insert_component_data(self, node, is_new_leaf, params, result):
         # The insert walk ends on ``node``: a finishing request's session
         # reference goes here (cache_finished_req opens the capture).  Later
@@ -77,6 +83,20 @@ class SessionAwareFullComponent(FullComponent):
 
     def drive_eviction(self, params, tracker):
         cache = self.cache
+        refs = cache.session_ref_tracker
+        full = refs.components.get(self.component_type) if refs is not None else None
+        if full is not None and type(cache.eviction_strategy) is LRUStrategy:
+            # LRU keys only grow but for counts going down, which ``full``
+            # records: the heap is kept across calls (full_leaf_heap.py).
+            heap = self._session_leaf_heap
+            if heap is None:
+                heap = self._session_leaf_heap = FullLeafHeap()
+            heap.drive(cache.evictable_device_leaves, full.lowered,
+                       cache._evict_device_leaf, params.num_tokens, tracker,
+                       self.component_type)
+            return
+        if full is not None:
+            full.lowered.clear()  # only the kept heap reads it
         _full_heap_drive(
             self, cache.evictable_device_leaves, cache._evict_device_leaf,
             params.num_tokens, tracker,
