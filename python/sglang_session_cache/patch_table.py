@@ -77,7 +77,8 @@ PATCHES: tuple[Patch, ...] = (
         "(the heap kept across evictions under the lru policy); "
         "registers refs after a finished request's insert and keeps counts "
         "right across splits and evictions (a session cache also gets its own "
-        "_evict_device_leaf, on the instance, with those hooks in line). "
+        "_evict_device_leaf, on the instance, with those hooks in line, and "
+        "under lru an _update_evictable_leaf_sets that feeds the kept heap). "
         "Inert with the flag off.",
     ),
     Patch(

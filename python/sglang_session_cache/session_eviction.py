@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.unified_cache_components import (
     SWAComponent,
 )
 
-from sglang_session_cache.full_leaf_heap import FullLeafHeap
+from sglang_session_cache.full_leaf_heap import FullLeafHeap, make_leaf_set_update
 
 
 def _full_heap_drive(component, leaves: set, evict_leaf, request: int, tracker: dict) -> None:
@@ -70,7 +70,8 @@ def full_eviction_key(cache, node):
 
 
 class SessionAwareFullComponent(FullComponent):
-    _session_leaf_heap = None  # FullLeafHeap, made on the first eviction
+    #: FullLeafHeap, set by ``keep_leaf_heap`` (session caches under lru).
+    _session_leaf_heap = None
 
     def commit_insert_component_data(self, node, is_new_leaf, params, result):
         # The insert walk ends on ``node``: a finishing request's session
@@ -85,12 +86,10 @@ class SessionAwareFullComponent(FullComponent):
         cache = self.cache
         refs = cache.session_ref_tracker
         full = refs.components.get(self.component_type) if refs is not None else None
-        if full is not None and type(cache.eviction_strategy) is LRUStrategy:
+        heap = self._session_leaf_heap
+        if full is not None and heap is not None:
             # LRU keys only grow but for counts going down, which ``full``
             # records: the heap is kept across calls (full_leaf_heap.py).
-            heap = self._session_leaf_heap
-            if heap is None:
-                heap = self._session_leaf_heap = FullLeafHeap()
             heap.drive(cache.evictable_device_leaves, full.lowered,
                        cache._evict_device_leaf, params.num_tokens, tracker,
                        self.component_type)
@@ -108,6 +107,27 @@ class SessionAwareFullComponent(FullComponent):
             self, cache.evictable_host_leaves, cache._evict_host_leaf,
             num_tokens, tracker,
         )
+
+
+def keep_leaf_heap(cache) -> bool:
+    """Give a session cache's FULL component a heap kept across evictions,
+    and the cache (this instance) the leaf-set update that feeds it.  Only
+    under the default ``lru`` policy (its keys only grow); others rebuild
+    per call as 0.5.16 does."""
+    import types
+
+    full = cache.components.get(ComponentType.FULL)
+    if (not isinstance(full, SessionAwareFullComponent)
+            or type(cache.eviction_strategy) is not LRUStrategy):
+        return False
+    heap = FullLeafHeap()
+    update = make_leaf_set_update(type(cache), heap)
+    if update is None:
+        return False
+    cache._update_evictable_leaf_sets = types.MethodType(update, cache)
+    # The component drives it; the cache forgets deleted nodes in it.
+    full._session_leaf_heap = cache._session_leaf_heap = heap
+    return True
 
 
 def make_device_leaf_evictor(cache_cls):
@@ -165,6 +185,9 @@ def make_device_leaf_evictor(cache_cls):
         parent = node.parent
         refs.on_node_deleted(node)
         remove_leaf(self, node)
+        heap = self._session_leaf_heap
+        if heap is not None:
+            heap.forget(node)
         self._update_evictable_leaf_sets(parent)
         self._iteratively_delete_tombstone_leaf(node, tracker)
 

@@ -11,8 +11,8 @@ of trees serve the three fractions of a size (``_cells``); evictions are
 timed in process CPU time; torch runs one intra-op thread (as in the agentic
 benchmark).  SWA and Mamba cells also time the whole ``cache.evict`` call
 the scheduler makes when only that pool runs short (0.5.16 rebuilds FULL's
-leaf heap on it too): what an eviction costs a server, next to the walk
-that isolates the session work.
+leaf heap on it too; a session cache keeps it, ``full_leaf_heap``): what an
+eviction costs a server, next to the walk that isolates the session work.
 
     python -m sglang_session_cache_bench.eviction_cost [--nodes 10000,100000]
         [--components full,swa,mamba] [--warmup 1200]
@@ -132,9 +132,9 @@ def evict_once(h, kind: str, clock=time.process_time) -> float:
     does not count that).
 
     FULL: the whole ``cache.evict`` call (0.5.16 rebuilds the leaf heap on
-    every call). SWA / Mamba: that component's LRU walk alone —
-    ``cache.evict`` would also rebuild the FULL heap, which would hide the
-    walk's cost."""
+    every call; a session cache under ``lru`` keeps it). SWA / Mamba: that
+    component's LRU walk alone — ``cache.evict`` would also run FULL's heap
+    (a rebuild, off), which would hide the walk's cost."""
     if kind == "full":
         return evict_call_once(h, kind, clock)
     from sglang.srt.mem_cache.unified_cache_components import ComponentType
@@ -153,7 +153,8 @@ def evict_call_once(h, kind: str, clock=time.process_time) -> float:
     single token (state) and the others for none; for SWA / Mamba the call
     the scheduler makes when only that pool runs short.  0.5.16 runs every
     component's drive on every call, so FULL's leaf heap is rebuilt here too
-    (O(leaves))."""
+    (O(leaves)) -- with the session cache off; on, the kept heap only looks
+    at what changed."""
     params = _one_victim_params(kind)
     cache = h.cache
     start = clock()
@@ -317,7 +318,7 @@ def format_table(rows: list[dict]) -> str:
         "Per-eviction cost, session cache off vs on (on/off: median of paired ratios; "
         "total: sum on / sum off).  FULL times the whole cache.evict call; SWA and "
         "Mamba their LRU walk, and under 'evict() call' the whole call the scheduler "
-        "makes (FULL's heap rebuilt too)",
+        "makes (FULL's heap: rebuilt off, kept on)",
         f"{'component':<10}{'nodes':>8}{'ref %':>7}{'off us':>11}{'on us':>11}"
         f"{'on/off':>8}{'IQR':>13}{'total':>7}{'pairs':>7}"
         f"{'evict() call on/off':>21}",

@@ -86,6 +86,7 @@ def attach_session_tracking(cache) -> None:
     setattr(cache, SHORTFALL_ATTR, shortfall_rule_applies(cache))
     from sglang_session_cache.session_eviction import (
         SessionAwareFullComponent,
+        keep_leaf_heap,
         make_device_leaf_evictor,
     )
 
@@ -94,6 +95,7 @@ def attach_session_tracking(cache) -> None:
     evict_device_leaf = make_device_leaf_evictor(type(cache))
     if evict_device_leaf is not None:
         cache._evict_device_leaf = types.MethodType(evict_device_leaf, cache)
+    keep_leaf_heap(cache)  # FULL's heap kept across evictions (lru only)
 
     if not isinstance(cache.components.get(0), SessionAwareFullComponent):
         # Finishing requests find their session leaf through this component.
@@ -234,9 +236,14 @@ def _wrap_split_node(orig):
 def _wrap_remove_leaf(orig):
     def _remove_leaf_from_parent(self, node):
         tracker = self.session_ref_tracker
-        if tracker is not None:
-            tracker.on_node_deleted(node)
-        return orig(self, node)
+        if tracker is None:
+            return orig(self, node)
+        tracker.on_node_deleted(node)
+        out = orig(self, node)
+        heap = self._session_leaf_heap
+        if heap is not None:
+            heap.forget(node)
+        return out
 
     return _remove_leaf_from_parent
 
@@ -431,6 +438,7 @@ def apply_unified_cache(module) -> None:
     if "session_ref_tracker" not in cls.__dict__:
         cls.session_ref_tracker = None
         cls._session_insert_capture = None
+        cls._session_leaf_heap = None  # full_leaf_heap.FullLeafHeap (lru)
         # Read-only alias, so the two names can never disagree.
         cls.session_refs = property(_session_refs)
     if not hasattr(module.UnifiedTreeNode, "full_session_ref"):

@@ -165,3 +165,63 @@ def test_the_heap_is_kept_and_rebuilt_only_when_needed(monkeypatch):
     h.run_request(list(range(50, 60)))
     h.evict(num_tokens=1)
     assert len(builds) == 2
+
+
+def test_the_heap_keeps_no_evicted_leaf_alive():
+    import gc
+    import weakref
+
+    h = SHAPES["full"](num_tokens=256)
+    for i in range(6):
+        h.run_request(list(range(1000 * (i + 1), 1000 * (i + 1) + 8)))
+    h.evict(num_tokens=1)  # the heap is built and kept
+    kept = list(h.cache.evictable_device_leaves)
+    # One the heap holds, deleted outside FULL's drive (as SWA and Mamba
+    # walks do), and one that reaches the heap as new.
+    outside = max(kept, key=lambda n: n.last_access_time)
+    h.run_request(list(range(9000, 9008)))
+    new = [n for n in h.cache.evictable_device_leaves if n not in kept]
+    refs = [weakref.ref(n) for n in kept + new]
+    h.cache._evict_device_leaf(outside, {ct: 0 for ct in h.cache.tree_components})
+    del kept, new, outside
+    gc.collect()
+    assert refs[-1]() is not None and sum(r() is None for r in refs) == 1
+    h.evict(num_tokens=h.full_allocator.size)
+    gc.collect()
+    assert not h.cache.evictable_device_leaves
+    assert all(r() is None for r in refs)
+
+
+def test_a_leaf_that_bypassed_the_update_is_still_evicted():
+    """The heap learns of new leaves through SGLang's leaf-set update; one
+    that got into the set another way is found once the heap runs dry."""
+    h = SHAPES["full"](num_tokens=256)
+    for i in range(4):
+        h.run_request(list(range(1000 * (i + 1), 1000 * (i + 1) + 8)))
+    h.evict(num_tokens=1)
+    del h.cache._update_evictable_leaf_sets  # SGLang's own again: no reports
+    for i in range(4):
+        h.run_request(list(range(5000 + 100 * i, 5000 + 100 * i + 8)))
+    freed = h.evict(num_tokens=h.full_allocator.size).num_tokens_evicted
+    assert freed == 7 * 8
+    assert not h.cache.evictable_device_leaves
+    h.check()
+
+
+def test_other_policies_and_replaced_leaf_updates_keep_the_rebuild():
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    h = SHAPES["full"](num_tokens=256, eviction_policy="lfu")
+    assert h.cache.components[0]._session_leaf_heap is None
+    assert "_update_evictable_leaf_sets" not in vars(h.cache)
+    for i in range(4):
+        h.run_request(list(range(1000 * (i + 1), 1000 * (i + 1) + 8)))
+    assert h.evict(num_tokens=9).num_tokens_evicted == 16
+    h.check()
+
+    class OwnLeafRules(UnifiedRadixCache):
+        def _update_evictable_leaf_sets(self, node):
+            return super()._update_evictable_leaf_sets(node)
+
+    heap = full_leaf_heap.FullLeafHeap()
+    assert full_leaf_heap.make_leaf_set_update(OwnLeafRules, heap) is None
