@@ -116,6 +116,8 @@ class ComponentSessionRefs(ABC):
         self.ref_units = 0
         # Nodes whose mirrored count went down since FULL's kept leaf heap
         # last looked (``full_leaf_heap``): their heap keys are too high.
+        # Drained by every eviction call (a node deleted meanwhile is let go
+        # there, not on every deletion: that path is hot).
         self.lowered: set = set()
 
     def follow(self, owner: "ComponentSessionRefs") -> None:

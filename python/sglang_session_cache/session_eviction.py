@@ -186,8 +186,9 @@ def make_device_leaf_evictor(cache_cls):
         refs.on_node_deleted(node)
         remove_leaf(self, node)
         heap = self._session_leaf_heap
-        if heap is not None:
-            heap.forget(node)
+        if heap is not None:  # heap.forget(node), inlined: every deleted leaf
+            heap.tracked.pop(node.id, None)
+            heap.fresh.discard(node)
         self._update_evictable_leaf_sets(parent)
         self._iteratively_delete_tombstone_leaf(node, tracker)
 

@@ -728,9 +728,6 @@ class UnifiedSessionRefTracker:
             refs.account_split(new_parent, child)
 
     def on_node_deleted(self, node) -> None:
-        full = self.components.get(0)
-        if full is not None:
-            full.lowered.discard(node)  # no key to fix on a deleted node
         cds = node.component_data
         parent = None  # looked up once, for every component with references
         for refs in self.index_owners:
