@@ -70,9 +70,6 @@ def full_eviction_key(cache, node):
 
 
 class SessionAwareFullComponent(FullComponent):
-    #: FullLeafHeap, set by ``keep_leaf_heap`` (session caches under lru).
-    _session_leaf_heap = None
-
     def commit_insert_component_data(self, node, is_new_leaf, params, result):
         # The insert walk ends on ``node``: a finishing request's session
         # reference goes here (cache_finished_req opens the capture).  Later
@@ -86,7 +83,7 @@ class SessionAwareFullComponent(FullComponent):
         cache = self.cache
         refs = cache.session_ref_tracker
         full = refs.components.get(self.component_type) if refs is not None else None
-        heap = self._session_leaf_heap
+        heap = cache._session_leaf_heap
         if full is not None and heap is not None:
             # LRU keys only grow but for counts going down, which ``full``
             # records: the heap is kept across calls (full_leaf_heap.py).
@@ -110,8 +107,9 @@ class SessionAwareFullComponent(FullComponent):
 
 
 def keep_leaf_heap(cache) -> bool:
-    """Give a session cache's FULL component a heap kept across evictions,
-    and the cache (this instance) the leaf-set update that feeds it.  Only
+    """Give a session cache (this instance) a FULL leaf heap kept across
+    evictions, which its FULL component drives, and the leaf-set update that
+    feeds it.  Only
     under the default ``lru`` policy (its keys only grow); others rebuild
     per call as 0.5.16 does."""
     import types
@@ -125,8 +123,8 @@ def keep_leaf_heap(cache) -> bool:
     if update is None:
         return False
     cache._update_evictable_leaf_sets = types.MethodType(update, cache)
-    # The component drives it; the cache forgets deleted nodes in it.
-    full._session_leaf_heap = cache._session_leaf_heap = heap
+    # FULL's drive and the cache's leaf deletions both reach it here.
+    cache._session_leaf_heap = heap
     return True
 
 
@@ -186,9 +184,8 @@ def make_device_leaf_evictor(cache_cls):
         refs.on_node_deleted(node)
         remove_leaf(self, node)
         heap = self._session_leaf_heap
-        if heap is not None:  # heap.forget(node), inlined: every deleted leaf
-            heap.tracked.pop(node.id, None)
-            heap.fresh.discard(node)
+        if heap is not None:
+            heap.forget(node)
         self._update_evictable_leaf_sets(parent)
         self._iteratively_delete_tombstone_leaf(node, tracker)
 

@@ -144,7 +144,7 @@ def test_a_count_going_down_reorders_a_kept_entry():
     h.cache._evict_device_leaf = record
     h.evict(num_tokens=1)
     assert paths == [3000]  # unreferenced first, though newer
-    assert h.cache.components[0]._session_leaf_heap is not None
+    assert h.cache._session_leaf_heap is not None
     tracker.release_radix_session("s")
     h.evict(num_tokens=1)
     assert paths == [3000, 1000]  # now plain LRU: the session's leaf is oldest
@@ -212,7 +212,7 @@ def test_other_policies_and_replaced_leaf_updates_keep_the_rebuild():
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     h = SHAPES["full"](num_tokens=256, eviction_policy="lfu")
-    assert h.cache.components[0]._session_leaf_heap is None
+    assert h.cache._session_leaf_heap is None
     assert "_update_evictable_leaf_sets" not in vars(h.cache)
     for i in range(4):
         h.run_request(list(range(1000 * (i + 1), 1000 * (i + 1) + 8)))
