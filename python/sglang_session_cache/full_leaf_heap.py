@@ -52,6 +52,15 @@ class FullLeafHeap:
         # holds this set).
         self.fresh: set = set()
 
+    def clear(self) -> None:
+        """The tree was reset: drop every entry now (the next call rebuilds
+        from the new leaf set), so the old tree is not kept in memory until
+        then -- after a flush the pool is empty and that call may be far off."""
+        self.heap = []
+        self.tracked = {}
+        self.leaves = None
+        self.fresh.clear()  # cleared in place: the leaf-set update holds it
+
     def forget(self, node) -> None:
         """``node`` is deleted from the tree: drop every reference to it."""
         self.tracked.pop(node.id, None)

@@ -162,6 +162,9 @@ def _wrap_reset_full(orig):
         if tracker is not None:
             _install_partitioned_lrus(self)
             tracker.reset()
+            heap = self._session_leaf_heap
+            if heap is not None:
+                heap.clear()
 
     return _reset_full
 

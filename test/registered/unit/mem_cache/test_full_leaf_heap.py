@@ -192,6 +192,31 @@ def test_the_heap_keeps_no_evicted_leaf_alive():
     assert all(r() is None for r in refs)
 
 
+def test_a_tree_reset_leaves_no_old_node_in_the_heap():
+    """A reset (``/flush_cache``) drops the whole tree; the kept heap must
+    not hold it in memory until the next eviction, which an empty pool may
+    not need for a long time."""
+    import gc
+    import weakref
+
+    h = SHAPES["full"](num_tokens=256)
+    for i in range(6):
+        h.run_request(list(range(1000 * (i + 1), 1000 * (i + 1) + 8)))
+    h.evict(num_tokens=1)  # the heap is built and kept
+    h.run_request(list(range(9000, 9008)))  # one more, reported as new
+    refs = [weakref.ref(n) for n in h.cache.evictable_device_leaves]
+    assert len(refs) == 6
+    h.cache.reset()  # what /flush_cache does, with the pools cleared
+    h.full_allocator.clear()
+    gc.collect()
+    assert all(r() is None for r in refs)
+    # And the heap works on the new tree.
+    for i in range(3):
+        h.run_request(list(range(2000 * (i + 1), 2000 * (i + 1) + 8)))
+    assert h.evict(num_tokens=1).num_tokens_evicted == 8
+    h.check()
+
+
 def test_a_leaf_that_bypassed_the_update_is_still_evicted():
     """The heap learns of new leaves through SGLang's leaf-set update; one
     that got into the set another way is found once the heap runs dry."""
