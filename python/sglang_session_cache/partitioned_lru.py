@@ -20,8 +20,19 @@ over them.  The consequences:
   After all sessions close, the list order equals the plain LRU order of the
   same history.  The insertion is O(1) when the node is newer or older than
   everything in the target partition (fresh registrations, cold sessions
-  closing) and otherwise searches from both ends at once: O(d), d the distance
-  in list positions to the nearer end.
+  closing) and otherwise searches from both ends at once.  A search that
+  has not found the place within ``_SEARCH_STEPS`` steps (a released
+  session's node amid a long partition: O(partition) before) asks a
+  *snapshot* of the partition instead: its nodes' ids and stamps in order,
+  taken by one pass and kept across moves.  A binary search there gives an
+  anchor, a node of the partition just newer than the moving one; it is
+  checked (still listed there, stamp unchanged) and the list is walked from
+  it to the exact place, past anything placed since.  Without a usable
+  snapshot the list search goes on, and a snapshot is taken after it when
+  the search cost at least a quarter of taking one: so a snapshot never costs
+  more than the searches it replaces, and the moves after the first long one
+  are quick.  MRU placements pay nothing for this; the snapshot holds ids,
+  so it keeps no node alive.
 
 Only caches with ``--enable-session-radix-cache`` use this class; the stock
 ``UnifiedLRUList`` is untouched otherwise.
@@ -29,7 +40,14 @@ Only caches with ``--enable-session-radix-cache`` use this class; the stock
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedLRUList, UnifiedTreeNode
+
+#: Steps of the two-end list search before a move asks the partition's
+#: snapshot; also the most steps spent checking or walking from an anchor
+#: before the snapshot is taken again.
+_SEARCH_STEPS = 32
 
 
 def _make_sentinel(tree_components) -> UnifiedTreeNode:
@@ -47,6 +65,9 @@ class PartitionedLRUList(UnifiedLRUList):
         self.cursor = _make_sentinel(tree_components)
         self._add_node_after(self.head, self.mid)
         self._clock = 0  # recency stamps: larger = more recent
+        # Per partition (True: referenced): (stamps ascending, node ids), or
+        # absent until a long search needs one.
+        self._snapshots: dict = {}
         # Partition moves so far: an eviction walk that saw this change knows
         # its precomputed next candidate may have moved.
         self.moves = 0
@@ -171,17 +192,86 @@ class PartitionedLRUList(UnifiedLRUList):
             self._add_node_after(end.lru_prev[pt], node)
             return
         # Search from both ends at once: the cost is twice the distance to the
-        # nearer end, in list positions.
+        # nearer end, in list positions.  Without a walk's cursor linked (it
+        # may sit in the gap, and which side of it the node goes depends on
+        # the end found first) a long search hands over to the snapshot,
+        # which finds the same, unique gap.
         front, back = first, last
+        cursor = self.cursor
+        steps = _SEARCH_STEPS if cursor.lru_prev[pt] is None else -1
         while True:
-            if front is not self.cursor and front.lru_stamp[pt] < stamp:
+            if front is not cursor and front.lru_stamp[pt] < stamp:
                 self._add_node_after(front.lru_prev[pt], node)
-                return
-            if back is not self.cursor and back.lru_stamp[pt] > stamp:
+                break
+            if back is not cursor and back.lru_stamp[pt] > stamp:
                 self._add_node_after(back, node)
-                return
+                break
             front = front.lru_next[pt]
             back = back.lru_prev[pt]
+            steps -= 1
+            if steps == 0:
+                anchor = self._anchor(start, end, stamp)
+                if anchor is not None:
+                    self._add_node_after(anchor, node)
+                    return
+                # No snapshot, or a stale one: the list search goes on.
+        if steps < -_SEARCH_STEPS:
+            # A long search: take the snapshot now if the search cost at least
+            # a quarter of taking it (so a snapshot is only ever taken after
+            # work of its own order), for the next long move.
+            snap = self._snapshots.get(start is self.head)
+            if snap is None or -steps * 4 >= len(snap[0]):
+                self._take_snapshot(start, end)
+
+    # ---- partition snapshots (long moves) ----
+
+    def _take_snapshot(self, start: UnifiedTreeNode, end: UnifiedTreeNode) -> tuple:
+        pt = self._pt
+        cursor = self.cursor
+        stamps, ids = [], []
+        x = end.lru_prev[pt]  # oldest first: stamps ascending
+        while x is not start:
+            if x is not cursor:
+                stamps.append(x.lru_stamp[pt])
+                ids.append(x.id)
+            x = x.lru_prev[pt]
+        snap = (stamps, ids)
+        self._snapshots[start is self.head] = snap
+        return snap
+
+    def _anchor(self, start, end, stamp: int):
+        """The node of the partition (``start``..``end``) after which a node
+        stamped ``stamp`` belongs, or None.  From the snapshot: the first
+        still-valid node newer than ``stamp``, then the list walked toward
+        the LRU end past nodes placed since, up to the gap."""
+        snap = self._snapshots.get(start is self.head)
+        if snap is None:
+            return None
+        pt = self._pt
+        ct = self.component_type
+        referenced = start is self.head
+        cache = self.cache
+        stamps, ids = snap
+        i = bisect_right(stamps, stamp)
+        top = min(len(ids), i + _SEARCH_STEPS)
+        anchor = None
+        while i < top:
+            n = cache.get(ids[i])
+            if (n is not None and n.lru_stamp[pt] == stamps[i]
+                    and (n.component_data[ct].session_ref > 0) is referenced):
+                anchor = n
+                break
+            i += 1
+        if anchor is None:
+            return None
+        # Nodes placed after the snapshot may sit between the anchor and the
+        # gap: walk past the ones still newer than ``stamp``.
+        for _ in range(_SEARCH_STEPS):
+            nxt = anchor.lru_next[pt]
+            if nxt is end or nxt.lru_stamp[pt] < stamp:
+                return anchor
+            anchor = nxt
+        return None
 
     # ---- cursor ----
 

@@ -21,6 +21,16 @@ output (reasoning stripped), so the session holds T leaves on T branches (the
 worst case for a close: leaves x depth before).  Reports the time of
 ``release_radix_session`` and how many count updates it made per covered
 node, per component (FULL: 1.0 = each node once).
+
+Move case: an SWA LRU list (``PartitionedLRUList``) of N unreferenced nodes
+with about 100 referenced ones at random recencies among them, each of which
+then loses its reference (a session closed, expired, withdrawn or released
+at the open-session bound) and moves into the unreferenced partition at its
+recency.  Two identical lists move the same nodes alternately: one as
+shipped (after the first long search, through the partition's snapshot),
+the other by the list search alone (forced with a walk's cursor linked, the
+one case that still uses only it); the ratio is the median of the paired
+shipped/search ratios.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -209,7 +220,71 @@ def close_rows(turn_counts, kinds=("full", "swa_mamba"), repeats=5) -> list[dict
     return rows
 
 
-def format_table(split: list[dict], close: list[dict]) -> str:
+def _move_list(n: int, referenced: int, seed: int = 0):
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedTreeNode
+
+    from sglang_session_cache.partitioned_lru import PartitionedLRUList
+
+    comps = (ComponentType.FULL, ComponentType.SWA)
+    swa = ComponentType.SWA
+    lru = PartitionedLRUList(swa, comps)
+    rng = random.Random(seed)
+    moving = []
+    for _ in range(n):
+        node = UnifiedTreeNode(comps)
+        if rng.random() < referenced / n:
+            node.component_data[swa].session_ref = 1
+            moving.append(node)
+        lru.insert_mru(node)
+    return lru, moving
+
+
+def move_rows(sizes, referenced: int = 100) -> list[dict]:
+    """Partition moves into the middle of an N-node partition, as shipped vs
+    the list search alone, paired move by move."""
+    from sglang.srt.mem_cache.unified_cache_components import ComponentType
+
+    swa = ComponentType.SWA
+    rows = []
+    for n in sizes:
+        t0 = time.perf_counter()
+        shipped, moving_shipped = _move_list(n, referenced)
+        search, moving_search = _move_list(n, referenced)
+        moves, searches, ratios = [], [], []
+        for i, (a, b) in enumerate(zip(moving_shipped, moving_search)):
+            a.component_data[swa].session_ref = 0
+            b.component_data[swa].session_ref = 0
+            # A cursor linked at the tail end keeps to the list search.
+            search.park_cursor_before(search.tail.lru_prev[search._pt])
+            timed = [(shipped, a, moves), (search, b, searches)]
+            for lru, node, out in (timed if i % 2 == 0 else timed[::-1]):
+                start = time.perf_counter()
+                lru.move_to_partition(node)
+                out.append(time.perf_counter() - start)
+            search.detach_cursor()
+            ratios.append(moves[-1] / searches[-1])
+        for lru in (shipped, search):
+            errors = lru.integrity_errors("move")
+            if errors:
+                raise RuntimeError("; ".join(errors[:3]))
+        order = [[x.id for x in lru.iter_nodes()] for lru in (shipped, search)]
+        if [len(o) for o in order] != [n + 1, n + 1]:  # the nodes and mid
+            raise RuntimeError("the two lists differ in length")
+        row = {
+            "case": "move", "component": "swa", "n": n, "moves": len(ratios),
+            "search_us": statistics.median(searches) * 1e6,
+            "move_us": statistics.median(moves) * 1e6,
+            "move_max_us": max(moves) * 1e6,
+            "ratio": statistics.median(ratios),
+        }
+        _log(f"[move n={n}] search {row['search_us']:.0f}us move {row['move_us']:.1f}us "
+             f"ratio {row['ratio']:.4f} ({time.perf_counter() - t0:.1f}s)")
+        rows.append(row)
+    return rows
+
+
+def format_table(split: list[dict], close: list[dict], move=()) -> str:
     lines = [
         "Node split, session cache off vs on (median of paired on/off ratios)",
         f"{'component':<10}{'sessions':>9}{'off us':>10}{'on us':>10}{'on/off':>8}"
@@ -235,6 +310,18 @@ def format_table(split: list[dict], close: list[dict]) -> str:
             )
             lines.append(f"{r['component']:<10}{r['n']:>6}{r['leaves']:>7}"
                          f"{r['close_us']:>10.0f}  {parts}")
+    if move:
+        lines += [
+            "",
+            "Partition move to a mid-partition recency (a released session's node), "
+            "as shipped vs the list search alone, paired (median ratio)",
+            f"{'list':<10}{'nodes':>8}{'moves':>7}{'search us':>11}{'move us':>9}"
+            f"{'move max':>10}{'move/search':>13}",
+        ]
+        for r in move:
+            lines.append(f"{r['component']:<10}{r['n']:>8}{r['moves']:>7}"
+                         f"{r['search_us']:>11.1f}{r['move_us']:>9.1f}"
+                         f"{r['move_max_us']:>10.1f}{r['ratio']:>13.4f}")
     return "\n".join(lines)
 
 
@@ -246,17 +333,20 @@ def main(argv=None) -> int:
                    help="sessions (= leaves) sharing the split node, comma-separated")
     p.add_argument("--turns", default="30,60,120", help="turns of the closed session")
     p.add_argument("--splits", type=int, default=SPLITS)
+    p.add_argument("--move-nodes", default="10000,100000",
+                   help="nodes in the partition a released session's node moves into")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args(argv)
     logging.getLogger("sglang").setLevel(logging.WARNING)
     build_shared("full", 4, False)  # warm-up: the first cache built is slow
     split = split_rows([int(x) for x in args.sessions.split(",") if x], splits=args.splits)
     close = close_rows([int(x) for x in args.turns.split(",") if x])
-    print(format_table(split, close))
+    move = move_rows([int(x) for x in args.move_nodes.split(",") if x])
+    print(format_table(split, close, move))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"split": split, "close": close}, f, indent=2)
+            json.dump({"split": split, "close": close, "move": move}, f, indent=2)
     return 0
 
 
