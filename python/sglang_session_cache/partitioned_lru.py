@@ -45,8 +45,8 @@ from bisect import bisect_right
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedLRUList, UnifiedTreeNode
 
 #: Steps of the two-end list search before a move asks the partition's
-#: snapshot; also the most steps spent checking or walking from an anchor
-#: before the snapshot is taken again.
+#: snapshot; also the most steps spent checking snapshot entries, and then
+#: walking from an anchor, before the move goes back to the list search.
 _SEARCH_STEPS = 32
 
 
