@@ -225,7 +225,7 @@ class PartitionedLRUList(UnifiedLRUList):
 
     # ---- partition snapshots (long moves) ----
 
-    def _take_snapshot(self, start: UnifiedTreeNode, end: UnifiedTreeNode) -> tuple:
+    def _take_snapshot(self, start: UnifiedTreeNode, end: UnifiedTreeNode) -> None:
         pt = self._pt
         cursor = self.cursor
         stamps, ids = [], []
@@ -235,9 +235,7 @@ class PartitionedLRUList(UnifiedLRUList):
                 stamps.append(x.lru_stamp[pt])
                 ids.append(x.id)
             x = x.lru_prev[pt]
-        snap = (stamps, ids)
-        self._snapshots[start is self.head] = snap
-        return snap
+        self._snapshots[start is self.head] = (stamps, ids)
 
     def _anchor(self, start, end, stamp: int):
         """The node of the partition (``start``..``end``) after which a node

@@ -109,9 +109,8 @@ class SessionAwareFullComponent(FullComponent):
 def keep_leaf_heap(cache) -> bool:
     """Give a session cache (this instance) a FULL leaf heap kept across
     evictions, which its FULL component drives, and the leaf-set update that
-    feeds it.  Only
-    under the default ``lru`` policy (its keys only grow); others rebuild
-    per call as 0.5.16 does."""
+    feeds it.  Only under the default ``lru`` policy (its keys only grow);
+    others rebuild per call as 0.5.16 does."""
     import types
 
     full = cache.components.get(ComponentType.FULL)

@@ -230,14 +230,15 @@ def _move_list(n: int, referenced: int, seed: int = 0):
     swa = ComponentType.SWA
     lru = PartitionedLRUList(swa, comps)
     rng = random.Random(seed)
-    moving = []
+    nodes, moving = [], []
     for _ in range(n):
         node = UnifiedTreeNode(comps)
         if rng.random() < referenced / n:
             node.component_data[swa].session_ref = 1
             moving.append(node)
         lru.insert_mru(node)
-    return lru, moving
+        nodes.append(node)
+    return lru, nodes, moving
 
 
 def move_rows(sizes, referenced: int = 100) -> list[dict]:
@@ -249,8 +250,8 @@ def move_rows(sizes, referenced: int = 100) -> list[dict]:
     rows = []
     for n in sizes:
         t0 = time.perf_counter()
-        shipped, moving_shipped = _move_list(n, referenced)
-        search, moving_search = _move_list(n, referenced)
+        shipped, nodes_shipped, moving_shipped = _move_list(n, referenced)
+        search, nodes_search, moving_search = _move_list(n, referenced)
         moves, searches, ratios = [], [], []
         for i, (a, b) in enumerate(zip(moving_shipped, moving_search)):
             a.component_data[swa].session_ref = 0
@@ -268,9 +269,13 @@ def move_rows(sizes, referenced: int = 100) -> list[dict]:
             errors = lru.integrity_errors("move")
             if errors:
                 raise RuntimeError("; ".join(errors[:3]))
-        order = [[x.id for x in lru.iter_nodes()] for lru in (shipped, search)]
-        if [len(o) for o in order] != [n + 1, n + 1]:  # the nodes and mid
-            raise RuntimeError("the two lists differ in length")
+        # Built alike, moved alike: the same order, node for node.
+        orders = []
+        for lru, nodes in ((shipped, nodes_shipped), (search, nodes_search)):
+            index = {node.id: k for k, node in enumerate(nodes)}
+            orders.append([index.get(x.id, -1) for x in lru.iter_nodes()])
+        if orders[0] != orders[1]:
+            raise RuntimeError("the two lists moved the same nodes to different places")
         row = {
             "case": "move", "component": "swa", "n": n, "moves": len(ratios),
             "search_us": statistics.median(searches) * 1e6,

@@ -118,7 +118,7 @@ def test_moves_match_the_model_and_the_list_search(seed, monkeypatch):
             for n in (a, b):
                 _set_ref(n, referenced)
             # The second list always takes the list search: a cursor linked
-            # at its tail end (as during a host walk) turns the stamp scan off.
+            # at its tail end (as during a host walk) keeps the snapshot out.
             plain.park_cursor_before(plain.tail.lru_prev[plain._pt])
             fast.move_to_partition(a)
             plain.move_to_partition(b)
