@@ -52,6 +52,13 @@ ms/req
     single runs are noisy: ``request_cost`` measures the cost paired.
 gain
     on - off in hit-rate points, and relative, (on - off) / off.
+windows (``--windows N``)
+    the hit rate off and on within each of N equal windows of the trace's
+    requests, and the relative gain per window.  The learned protection
+    (``--session-radix-cache-max-protected-fraction auto``) starts from full
+    protection and settles as evidence comes in, so the first window shows
+    its warm-up and the later ones where it settled; several ``--mode`` runs
+    also print the worst window after the first.
 
 At the end of each run the harness's ``check()`` (``sanity_check`` + exact
 slot conservation for every pool) runs, session state is validated, and the
@@ -298,6 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=("comma list of pool sizes: token counts or shares of the "
                          "trace footprint, e.g. 30000,15%% (default "
                          + ",".join(DEFAULT_SIZES).replace("%", "%%") + ")"))
+    r.add_argument("--windows", type=positive_int, default=None, metavar="N",
+                   help="also report the hit rate in N equal windows of the trace's "
+                        "requests, off and on: how the gain develops while the "
+                        "learned protection settles (the first window is its warm-up)")
     r.add_argument("--check-every", type=int, default=0, metavar="N",
                    help="also run the slot-conservation check every N requests")
     r.add_argument("--quick", action="store_true",
@@ -360,6 +371,19 @@ class RunStats:
     # trace: what protection learned (scale, return rate, first-turn rule)
     # and the lifecycle counters (opened, closed, expired, ...).
     session_metrics: dict = field(default_factory=dict)
+    # ``--windows``: (prompt tokens, reused tokens) so far at the end of each
+    # window of requests, so a run shows how its hit rate develops (the
+    # learned protection starts from full protection and settles later).
+    window_marks: list = field(default_factory=list)
+
+    @property
+    def window_hit_rates(self) -> list:
+        """Hit rate within each ``--windows`` window, in trace order."""
+        out, prompt, reused = [], 0, 0
+        for p, r in self.window_marks:
+            out.append(_ratio(r - reused, p - prompt))
+            prompt, reused = p, r
+        return out
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -369,6 +393,8 @@ class RunStats:
         d["kept_rate"] = _ratio(self.followups_kept, self.followups)
         d["recomputed_tokens"] = self.recomputed_tokens
         d["ms_per_request"] = self.ms_per_request
+        if self.window_marks:
+            d["window_hit_rates"] = self.window_hit_rates
         return d
 
     @property
@@ -436,11 +462,13 @@ def _count_evictions(cache, stats: RunStats) -> None:
 
 
 def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
-           check_every: int = 0, ttl: Optional[float] = None) -> RunStats:
+           check_every: int = 0, ttl: Optional[float] = None, windows: int = 0) -> RunStats:
     """Run ``trace`` once on a fresh cache, in trace time (each event's
     ``time`` is the session cache's clock, so ``ttl`` expires idle sessions
-    as the trace unfolds); see the module doc for metrics."""
-    steps = replay_steps(trace, shape, pool_tokens, enable_session, check_every, ttl)
+    as the trace unfolds); see the module doc for metrics.  ``windows``:
+    also record the hit rate in that many equal windows of requests."""
+    steps = replay_steps(trace, shape, pool_tokens, enable_session, check_every, ttl,
+                         windows=windows)
     while True:
         try:
             next(steps)
@@ -450,7 +478,7 @@ def replay(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
 
 def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: bool,
                  check_every: int = 0, ttl: Optional[float] = None,
-                 timer=time.perf_counter):
+                 timer=time.perf_counter, windows: int = 0):
     """``replay`` one event at a time: a generator that yields before every
     trace event and once after the last (before the end-of-run checks), and
     returns the ``RunStats`` (``StopIteration.value``), so two caches can
@@ -467,6 +495,10 @@ def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: boo
     digest = hashlib.blake2b(digest_size=16)
     prev_prompt_len: dict = {}
     open_ids: set = set()
+    # The request count that ends each window (at most one window per
+    # request, so every window holds at least one).
+    windows = min(windows, summary["requests"])
+    window_ends = [summary["requests"] * (k + 1) // windows for k in range(windows)]
     t_run = time.perf_counter()
     for ev in trace.events:
         yield
@@ -525,6 +557,9 @@ def replay_steps(trace: Trace, shape: str, pool_tokens: int, enable_session: boo
                 prev_prompt_len.pop(sid, None)
             else:
                 prev_prompt_len[sid] = n
+        while (len(stats.window_marks) < windows
+               and window_ends[len(stats.window_marks)] <= stats.requests):
+            stats.window_marks.append((stats.prompt_tokens, stats.reused_tokens))
         if check_every and stats.requests % check_every == 0:
             _check(h, stats, f"after request {stats.requests}")
     # The trace is done; what follows are the checks (a profiler stops here).
@@ -694,7 +729,7 @@ def _run_cell(args, trace, results, shape, pool, key, ttl) -> Optional[RunStats]
     try:
         with harness.session_server_args(options):
             st = replay(trace, shape, pool, on, check_every=args.check_every,
-                        ttl=ttl if on else None)
+                        ttl=ttl if on else None, windows=getattr(args, "windows", None) or 0)
     except Exception as exc:
         traceback.print_exc()
         results["issues"].append(f"{where}: replay failed: {type(exc).__name__}: {exc}")
@@ -709,6 +744,9 @@ def _finish_row(results: dict, shape: str, row: dict) -> None:
     off, on_ = row["off"]["hit_rate"], row["on"]["hit_rate"]
     row["gain"] = (on_ - off) / off if off else None
     row["gain_points"] = 100.0 * (on_ - off)
+    offs, ons = row["off"].get("window_hit_rates"), row["on"].get("window_hit_rates")
+    if offs and ons:
+        row["window_gains"] = [(b - a) / a if a else None for a, b in zip(offs, ons)]
     if row.get("base"):
         base_points = 100.0 * (row["base"]["hit_rate"] - off)
         row["base_gain_points"] = base_points
@@ -743,6 +781,10 @@ LEGEND = [
 
 def _share(share: float) -> str:
     return f"{100 * share:.1f}%" if share < 0.1 else f"{100 * share:.0f}%"
+
+
+def _relative(gain: Optional[float]) -> str:
+    return "n/a" if gain is None else f"{100 * gain:+.1f}%"
 
 
 def _gain(row: dict) -> str:
@@ -815,6 +857,11 @@ def format_tables(results: dict, legend: bool = True) -> str:
                     f"{_k(r['recomputed_tokens']):>10} {_k(r['evicted_tokens']):>8} "
                     f"{r['ms_per_request']:6.2f}  {gain}".rstrip()
                 )
+            if row.get("window_gains"):
+                lines.append(f"{'':>8} {'':>5} {'windows':>7}  hit off "
+                             + " ".join(f"{x:.3f}" for x in row["off"]["window_hit_rates"])
+                             + ", on " + " ".join(f"{x:.3f}" for x in row["on"]["window_hit_rates"])
+                             + "; gain " + " ".join(_relative(g) for g in row["window_gains"]))
     lines.append("")
     if results.get("interrupted"):
         lines.append("INTERRUPTED: the rows above are the runs that finished")
@@ -848,6 +895,19 @@ def format_mode_summary(all_results: list) -> str:
             worst = f"{100 * min(rel):+.1f}%" if rel else "n/a"
             cells.append(f"{f'{min(pts):+.1f} .. {max(pts):+.1f} pt, {worst}':>{width}}")
         lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
+    window_lines = []
+    for r in all_results:
+        cells = []
+        for sh in shapes:
+            # After the first window: the learned protection's warm-up left out.
+            later = [g for row in r["shapes"].get(sh, [])
+                     for g in (row.get("window_gains") or [])[1:] if g is not None]
+            cells.append(f"{f'{100 * min(later):+.1f}%' if later else '-':>{width}}")
+        if any(c.strip() != "-" for c in cells):
+            window_lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
+    if window_lines:
+        lines += ["", "== worst (on - off) / off in any window after the first "
+                  "(--windows; the first is the learned protection's warm-up) =="] + window_lines
     kept_lines = []
     for r in all_results:
         cells = []

@@ -103,6 +103,58 @@ def test_baseline_runs_side_by_side_with_the_share_of_its_gain_kept(tmp_path, ca
     assert "% of base" in out and "share of the baseline's gain kept" in out
 
 
+def test_windows_split_each_run_into_equal_request_windows(tmp_path, capsys):
+    """--windows N: the hit rate off and on in each of N windows of the
+    requests (the same requests on both sides), the gain per window, and
+    with several modes the worst window after the first."""
+    rc = agentic.main(["--quick", "--shapes", "full", "--sizes", "12%", "--windows", "4",
+                       "--mode", "closed,tag-all", "--out", str(tmp_path), "--no-plot"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    doc = json.loads((tmp_path / agentic.RESULTS_JSON).read_text())
+    later = []
+    for mode in ("closed", "tag-all"):
+        (row,) = doc["modes"][mode]["shapes"]["full"]
+        off, on = row["off"], row["on"]
+        # Same request stream: the windows hold the same prompt tokens.
+        assert [m[0] for m in off["window_marks"]] == [m[0] for m in on["window_marks"]]
+        for r in (off, on):
+            marks = r["window_marks"]
+            assert len(marks) == 4 == len(r["window_hit_rates"])
+            assert marks[-1] == [r["prompt_tokens"], r["reused_tokens"]]
+            prompts = [p for p, _ in marks]
+            assert prompts == sorted(set(prompts))  # every window holds requests
+            # The windows' hit rates, weighted by their prompt tokens, are
+            # the whole run's.
+            sizes = [b - a for a, b in zip([0] + prompts, prompts)]
+            whole = sum(h * n for h, n in zip(r["window_hit_rates"], sizes)) / prompts[-1]
+            assert whole == pytest.approx(r["hit_rate"])
+        gains = [(b - a) / a for a, b in zip(off["window_hit_rates"], on["window_hit_rates"])]
+        assert row["window_gains"] == pytest.approx(gains)
+        later.append(min(gains[1:]))
+        line = " ".join(f"{100 * g:+.1f}%" for g in gains)
+        assert f"; gain {line}" in out
+    assert "worst (on - off) / off in any window after the first" in out
+    for mode, worst in zip(("closed", "tag-all"), later):
+        assert f"{mode:<14}" + f"{f'{100 * worst:+.1f}%':>30}" in out
+
+
+def test_windows_never_outnumber_the_requests(tmp_path):
+    """More windows than requests: one window per request."""
+    from sglang_session_cache_bench.harness import session_server_args
+
+    lines = [json.dumps({"session_id": "a", "tokens": list(range(1, 60)), "output_len": 4}),
+             json.dumps({"session_id": "a", "tokens": list(range(1, 90)), "output_len": 4}),
+             json.dumps({"tokens": list(range(500, 540)), "output_len": 2})]
+    trace = read_jsonl(_write(tmp_path / "t.jsonl", lines))
+    with session_server_args({}):
+        st = agentic.replay(trace, "full", 4000, True, windows=10)
+    assert len(st.window_marks) == 3
+    assert [p for p, _ in st.window_marks] == [59, 59 + 89, 59 + 89 + 40]
+    assert st.window_hit_rates[1] > 0  # the second turn reused the first
+    assert agentic.replay(trace, "full", 4000, False).window_marks == []  # off by default
+
+
 def test_protect_from_turn_flag_accepts_auto(capsys):
     args = agentic.build_parser().parse_args(["--session-radix-cache-protect-from-turn", "auto"])
     assert args.protect_from_turn == "auto"
