@@ -895,31 +895,30 @@ def format_mode_summary(all_results: list) -> str:
             worst = f"{100 * min(rel):+.1f}%" if rel else "n/a"
             cells.append(f"{f'{min(pts):+.1f} .. {max(pts):+.1f} pt, {worst}':>{width}}")
         lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
-    window_lines = []
-    for r in all_results:
-        cells = []
-        for sh in shapes:
-            # After the first window: the learned protection's warm-up left out.
-            later = [g for row in r["shapes"].get(sh, [])
-                     for g in (row.get("window_gains") or [])[1:] if g is not None]
-            cells.append(f"{f'{100 * min(later):+.1f}%' if later else '-':>{width}}")
-        if any(c.strip() != "-" for c in cells):
-            window_lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
-    if window_lines:
-        lines += ["", "== worst (on - off) / off in any window after the first "
-                  "(--windows; the first is the learned protection's warm-up) =="] + window_lines
-    kept_lines = []
-    for r in all_results:
-        cells = []
-        for sh in shapes:
-            kept = [row["kept_of_base"] for row in r["shapes"].get(sh, [])
-                    if row.get("kept_of_base") is not None]
-            cells.append(f"{f'{100 * min(kept):.0f} .. {100 * max(kept):.0f}%' if kept else '-':>{width}}")
-        if any(c.strip() != "-" for c in cells):
-            kept_lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
-    if kept_lines:
-        lines += ["", "== share of the baseline's gain kept (base: first request "
-                  "protected, no bound), min .. max over pool sizes =="] + kept_lines
+
+    def later_windows(rows):
+        # After the first window: the learned protection's warm-up left out.
+        later = [g for row in rows for g in (row.get("window_gains") or [])[1:]
+                 if g is not None]
+        return f"{100 * min(later):+.1f}%" if later else None
+
+    def kept_of_base(rows):
+        kept = [row["kept_of_base"] for row in rows if row.get("kept_of_base") is not None]
+        return f"{100 * min(kept):.0f} .. {100 * max(kept):.0f}%" if kept else None
+
+    for title, cell in (
+            ("worst (on - off) / off in any window after the first "
+             "(--windows; the first is the learned protection's warm-up)", later_windows),
+            ("share of the baseline's gain kept (base: first request "
+             "protected, no bound), min .. max over pool sizes", kept_of_base)):
+        block = []
+        for r in all_results:
+            cells = [cell(r["shapes"].get(sh, [])) for sh in shapes]
+            if any(c is not None for c in cells):
+                block.append(f"{r.get('mode') or '-':<14}"
+                             + "".join(f"{c or '-':>{width}}" for c in cells))
+        if block:
+            lines += ["", f"== {title} =="] + block
     return "\n".join(lines)
 
 
