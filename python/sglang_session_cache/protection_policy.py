@@ -66,6 +66,10 @@ FROM_TURN_FLAG = "--session-radix-cache-protect-from-turn"
 #: ``AUTO_FRACTION_CEILING``, scaled by what protection costs (learned).
 AUTO = "auto"
 AUTO_FRACTION_CEILING = 0.9
+#: Request counts kept for sessions that lapsed without a close (TTL, the
+#: open-session bound), oldest dropped first; the closed-id tombstones'
+#: bound, so ids of at most 256 characters keep this under ~2 MB.
+LAPSED_LIMIT = 8192
 DEFAULT_MAX_PROTECTED_FRACTION = AUTO
 DEFAULT_PROTECT_FROM_TURN = AUTO
 
@@ -172,6 +176,9 @@ class ProtectionPolicy:
         self.protect_from_turn = normalize_from_turn(protect_from_turn)
         # open session id -> requests seen in its current generation
         self.turns: dict = {}
+        # sessions that lapsed (TTL, open-session bound) without a close ->
+        # their request count, oldest first, at most ``LAPSED_LIMIT``
+        self.lapsed: OrderedDict = OrderedDict()
         # sessions that registered references, least recently registered first
         self.protected: OrderedDict = OrderedDict()
         # (auto) the protected sessions registered on their first request only
@@ -211,6 +218,7 @@ class ProtectionPolicy:
         """Forget per-session state; recompute the per-component limits.  The
         learned return rate describes the traffic, not the cache: it stays."""
         self.turns.clear()
+        self.lapsed.clear()
         self.protected.clear()
         self.first_turn_only.clear()
         self.return_rate.forget_sessions()
@@ -262,7 +270,11 @@ class ProtectionPolicy:
     # ---- turns (earned protection) ----
 
     def on_open(self, sid: str) -> None:
-        self.turns[sid] = 0
+        # A session that lapsed and comes back with the same id goes on with
+        # its request count: its return is a returning session's, not a
+        # first request (else its misses on its own evicted KV read as
+        # traffic that protection pushed out).
+        self.turns[sid] = self.lapsed.pop(sid, 0)
 
     def on_arrival(self, sid: str) -> None:
         n = self.turns[sid] = self.turns.get(sid, 0) + 1
@@ -301,9 +313,16 @@ class ProtectionPolicy:
         if self.auto and self.turns.get(sid, 0) < 2:
             self.first_turn_only[sid] = None
 
-    def forget(self, sid: str) -> None:
-        """The session was closed, expired or released."""
-        self.turns.pop(sid, None)
+    def forget(self, sid: str, lapsed: bool = False) -> None:
+        """The session was closed, or (``lapsed``) expired by the TTL or
+        released to stay within the open-session bound: a client that did
+        not close it may still come back, so its request count is kept."""
+        turns = self.turns.pop(sid, None)
+        if lapsed and turns:
+            self.lapsed[sid] = turns
+            self.lapsed.move_to_end(sid)
+            if len(self.lapsed) > LAPSED_LIMIT:
+                self.lapsed.popitem(last=False)
         self.protected.pop(sid, None)
         self.first_turn_only.pop(sid, None)
         if self.auto and self.return_rate.ended(sid):
@@ -354,6 +373,10 @@ class ProtectionPolicy:
                 return f"protected session {sid!r} is not open"
         if self.turns.keys() - open_sessions.keys():
             return f"turn counts kept for closed sessions {sorted(self.turns.keys() - open_sessions.keys())}"
+        if self.lapsed.keys() & open_sessions.keys():
+            return f"lapsed turn counts kept for open sessions {sorted(self.lapsed.keys() & open_sessions.keys())}"
+        if len(self.lapsed) > LAPSED_LIMIT:
+            return f"{len(self.lapsed)} lapsed turn counts kept (at most {LAPSED_LIMIT})"
         for sid in self.first_turn_only:
             if sid not in self.protected:
                 return f"first-request-only session {sid!r} is not protected"

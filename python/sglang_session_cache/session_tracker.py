@@ -376,7 +376,7 @@ class UnifiedSessionRefTracker:
             victim = next((s for s in self.recency if self.idle.inflight(s) == 0), None)
             if victim is None:
                 return
-            self._drop(victim)
+            self._drop(victim, lapsed=True)
             self.counters.evicted_open += 1
             logger.debug("session %s released to stay within the open-session bound",
                          describe_id(victim))
@@ -595,6 +595,9 @@ class UnifiedSessionRefTracker:
         sid = check_session_id(session_id)
         self._controller_ends(sid)
         if sid not in self.generations:
+            # Closed after it lapsed: the conversation is over, so a later
+            # request with this id starts from its first request again.
+            self.policy.lapsed.pop(sid, None)
             if sid in self.closed:
                 logger.debug("session %s already closed; nothing to release", describe_id(sid))
             else:
@@ -612,14 +615,15 @@ class UnifiedSessionRefTracker:
                      describe_id(sid), released)
         return released
 
-    def _drop(self, sid: str) -> int:
-        """Release an open session (close, expiry, room) and tombstone its id."""
+    def _drop(self, sid: str, lapsed: bool = False) -> int:
+        """Release an open session (close; ``lapsed``: expiry, room) and
+        tombstone its id."""
         del self.generations[sid]
         self._open_chars_used -= len(sid)
         self.idle.remove(sid)
         self.recency.pop(sid, None)
         self.epochs.pop(sid, None)
-        self.policy.forget(sid)
+        self.policy.forget(sid, lapsed)
         released = 0
         for refs in self.index_owners:
             released += refs.release_session(sid)
@@ -705,7 +709,7 @@ class UnifiedSessionRefTracker:
                 # Its own /open_session timeout: SGLang's reaper ended the
                 # controller's session by now (on its own clock).
                 self._forget_explicit(sid)
-            released = self._drop(sid)
+            released = self._drop(sid, lapsed=True)
             self.counters.expired += 1
             logger.debug("session %s expired: released %d leaf references",
                          describe_id(sid), released)

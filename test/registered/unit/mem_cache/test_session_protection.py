@@ -96,6 +96,96 @@ def test_reopened_session_must_earn_again():
     h.cache.validate_session_state()
 
 
+def _returned_then_lapsed(h, sid="a", ttl=30.0):
+    """A session that earned protection (two requests), then expired."""
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(1.0, 2)
+    tracker.set_ttl(ttl)
+    h.cache.advance_session_clock(0.0)
+    p = prompt(0, 30)
+    turn(h, p, sid)
+    p = p + prompt(200, 10)
+    turn(h, p, sid)
+    assert leaves(h, sid)
+    assert h.cache.advance_session_clock(ttl + 1) == 1  # the TTL ends it
+    assert not leaves(h, sid) and sid not in tracker.open_sessions()
+    return tracker, p
+
+
+def test_a_session_that_lapsed_comes_back_as_returning():
+    """Expired by the TTL without a close, a session that comes back with
+    the same id goes on with its request count: protected at once, and its
+    misses count as a returning session's."""
+    h = SHAPES["full"]()
+    tracker, p = _returned_then_lapsed(h)
+    assert tracker.policy.lapsed == {"a": 2}
+    turn(h, p + prompt(300, 10), "a")  # reopened: its third request
+    assert leaves(h, "a")
+    assert tracker.policy.turns["a"] == 3 and "a" not in tracker.policy.lapsed
+    assert tracker.counters.expired == 1 and tracker.counters.opened == 2
+    h.cache.validate_session_state()
+
+
+def test_a_lapsed_session_closed_afterwards_must_earn_again():
+    """A close after the lapse ends the conversation: the id starts over."""
+    h = SHAPES["full"]()
+    tracker, p = _returned_then_lapsed(h)
+    assert h.cache.release_radix_session("a") == 0
+    assert tracker.policy.lapsed == {}
+    turn(h, p + prompt(300, 10), "a")
+    assert not leaves(h, "a")
+    h.cache.validate_session_state()
+
+
+def test_a_session_released_for_room_keeps_its_count():
+    """Released to stay within the open-session bound: it lapsed too."""
+    h = SHAPES["full"]()
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(1.0, 2)
+    tracker.max_open_sessions = 2
+    p = prompt(0, 30)
+    turn(h, p, "a")
+    turn(h, p + prompt(200, 10), "a")
+    turn(h, prompt(500, 20), "b")
+    turn(h, prompt(700, 20), "c")  # room for c: a, the least recent, goes
+    assert tracker.counters.evicted_open == 1 and "a" not in tracker.open_sessions()
+    assert tracker.policy.lapsed == {"a": 2}
+    turn(h, p + prompt(200, 10) + prompt(300, 10), "a")
+    assert leaves(h, "a")
+    h.cache.validate_session_state()
+
+
+def test_lapsed_counts_are_bounded_oldest_first(monkeypatch):
+    import sglang_session_cache.protection_policy as policy_module
+
+    monkeypatch.setattr(policy_module, "LAPSED_LIMIT", 2)
+    h = SHAPES["full"]()
+    tracker = h.cache.session_ref_tracker
+    tracker.configure_protection(1.0, 2)
+    tracker.set_ttl(30.0)
+    h.cache.advance_session_clock(0.0)
+    for i, sid in enumerate(("a", "b", "c")):
+        turn(h, prompt(1000 * i, 20), sid)
+    assert h.cache.advance_session_clock(31.0) == 3
+    assert list(tracker.policy.lapsed) == ["b", "c"]  # a, the oldest, forgotten
+    turn(h, prompt(0, 20) + prompt(5000, 10), "a")  # starts over: not protected
+    assert not leaves(h, "a")
+    turn(h, prompt(1000, 20) + prompt(6000, 10), "b")  # its second request
+    assert leaves(h, "b")
+    h.cache.validate_session_state()
+
+
+def test_validator_catches_a_lapsed_count_for_an_open_session():
+    h = SHAPES["full"]()
+    tracker = h.cache.session_ref_tracker
+    turn(h, prompt(0, 20), "a")
+    tracker.policy.lapsed["a"] = 1
+    with pytest.raises(SessionStateError, match="lapsed turn counts kept for open sessions"):
+        h.cache.validate_session_state()
+    del tracker.policy.lapsed["a"]
+    h.cache.validate_session_state()
+
+
 def test_unstamped_finishes_count_as_requests():
     """A request that never went through arrival stamping still counts."""
     h = SHAPES["full"]()
