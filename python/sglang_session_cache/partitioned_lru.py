@@ -242,12 +242,12 @@ class PartitionedLRUList(UnifiedLRUList):
         stamped ``stamp`` belongs, or None.  From the snapshot: the first
         still-valid node newer than ``stamp``, then the list walked toward
         the LRU end past nodes placed since, up to the gap."""
-        snap = self._snapshots.get(start is self.head)
+        referenced = start is self.head
+        snap = self._snapshots.get(referenced)
         if snap is None:
             return None
         pt = self._pt
         ct = self.component_type
-        referenced = start is self.head
         cache = self.cache
         stamps, ids = snap
         i = bisect_right(stamps, stamp)

@@ -313,6 +313,11 @@ class ProtectionPolicy:
         if self.auto and self.turns.get(sid, 0) < 2:
             self.first_turn_only[sid] = None
 
+    def forget_lapsed(self, sid: str) -> None:
+        """A lapsed session was closed: the conversation is over, so a later
+        request with this id starts from its first request again."""
+        self.lapsed.pop(sid, None)
+
     def forget(self, sid: str, lapsed: bool = False) -> None:
         """The session was closed, or (``lapsed``) expired by the TTL or
         released to stay within the open-session bound: a client that did

@@ -595,9 +595,7 @@ class UnifiedSessionRefTracker:
         sid = check_session_id(session_id)
         self._controller_ends(sid)
         if sid not in self.generations:
-            # Closed after it lapsed: the conversation is over, so a later
-            # request with this id starts from its first request again.
-            self.policy.lapsed.pop(sid, None)
+            self.policy.forget_lapsed(sid)  # closed after it lapsed
             if sid in self.closed:
                 logger.debug("session %s already closed; nothing to release", describe_id(sid))
             else:

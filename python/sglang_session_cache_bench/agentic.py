@@ -729,7 +729,7 @@ def _run_cell(args, trace, results, shape, pool, key, ttl) -> Optional[RunStats]
     try:
         with harness.session_server_args(options):
             st = replay(trace, shape, pool, on, check_every=args.check_every,
-                        ttl=ttl if on else None, windows=getattr(args, "windows", None) or 0)
+                        ttl=ttl if on else None, windows=args.windows or 0)
     except Exception as exc:
         traceback.print_exc()
         results["issues"].append(f"{where}: replay failed: {type(exc).__name__}: {exc}")
