@@ -738,15 +738,20 @@ def _run_cell(args, trace, results, shape, pool, key, ttl) -> Optional[RunStats]
     return st
 
 
+def _relative_gain(off: float, on: float) -> Optional[float]:
+    """(on - off) / off, or ``None`` when off reused nothing."""
+    return (on - off) / off if off else None
+
+
 def _finish_row(results: dict, shape: str, row: dict) -> None:
     if not (row.get("off") and row.get("on")):
         return
     off, on_ = row["off"]["hit_rate"], row["on"]["hit_rate"]
-    row["gain"] = (on_ - off) / off if off else None
+    row["gain"] = _relative_gain(off, on_)
     row["gain_points"] = 100.0 * (on_ - off)
     offs, ons = row["off"].get("window_hit_rates"), row["on"].get("window_hit_rates")
     if offs and ons:
-        row["window_gains"] = [(b - a) / a if a else None for a, b in zip(offs, ons)]
+        row["window_gains"] = [_relative_gain(a, b) for a, b in zip(offs, ons)]
     if row.get("base"):
         base_points = 100.0 * (row["base"]["hit_rate"] - off)
         row["base_gain_points"] = base_points
@@ -790,7 +795,7 @@ def _relative(gain: Optional[float]) -> str:
 def _gain(row: dict) -> str:
     if row.get("gain_points") is None:
         return ""
-    rel = f" ({100 * row['gain']:+.1f}%)" if row.get("gain") is not None else ""
+    rel = f" ({_relative(row['gain'])})" if row.get("gain") is not None else ""
     return f"{row['gain_points']:+.1f} pt{rel}"
 
 
@@ -892,7 +897,7 @@ def format_mode_summary(all_results: list) -> str:
                 continue
             pts = [row["gain_points"] for row in rows]
             rel = [row["gain"] for row in rows if row.get("gain") is not None]
-            worst = f"{100 * min(rel):+.1f}%" if rel else "n/a"
+            worst = _relative(min(rel) if rel else None)
             cells.append(f"{f'{min(pts):+.1f} .. {max(pts):+.1f} pt, {worst}':>{width}}")
         lines.append(f"{r.get('mode') or '-':<14}" + "".join(cells))
 
@@ -900,7 +905,7 @@ def format_mode_summary(all_results: list) -> str:
         # After the first window: the learned protection's warm-up left out.
         later = [g for row in rows for g in (row.get("window_gains") or [])[1:]
                  if g is not None]
-        return f"{100 * min(later):+.1f}%" if later else None
+        return _relative(min(later)) if later else None
 
     def kept_of_base(rows):
         kept = [row["kept_of_base"] for row in rows if row.get("kept_of_base") is not None]
