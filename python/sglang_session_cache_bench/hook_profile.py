@@ -1,6 +1,8 @@
 """Where the session cache's per-request time goes: time inside each session
 hook, and inside the SGLang entry points they run in, from an off and an on
-replay with a timer around each (``request_cost --breakdown``).
+replay with a timer around each (``request_cost --breakdown``; with
+``--equal-hit`` the control's entry points too, where the extra hits' cost to
+SGLang's own walks shows apart from the hooks).
 
 Times are inclusive (a row counts what it calls).  The hook rows do not nest
 in one another; the "of which" rows (bound enforcement, LRU partition moves)
@@ -132,39 +134,42 @@ def _timer(fn, label: str, timers: MethodTimers, clock):
     return timed
 
 
-def breakdown(trace, shape: str, pool: int) -> dict:
+def breakdown(trace, shape: str, pool: int, equal_hit_pool=None) -> dict:
     """An off and an on replay of ``trace`` in lockstep (event by event, who
     goes first alternating, the cyclic collector paused: ``request_cost``'s
     own ``lockstep``), with the timers in place, counted per side up to the
     end of the trace (the end-of-run checks are left out).  Per request: calls and
-    microseconds of every hook (on) and SGLang entry point (both sides), and
-    each side's event time."""
-    from sglang_session_cache_bench.request_cost import lockstep
+    microseconds of every hook (on) and SGLang entry point (every side), and
+    each side's event time.  With ``equal_hit_pool`` the equal-hit control
+    (session cache off on that pool) replays alongside as a third side,
+    ``equal_hit``: its SGLang rows next to on's show what the extra hits
+    cost SGLang's own walks, apart from the hooks."""
+    from sglang_session_cache_bench.request_cost import EQUAL_HIT, lockstep
 
     hook_targets = [(label, _owner(cls), name) for label, cls, name in HOOKS + NESTED]
     sglang_targets = [(label, _owner(cls), name) for label, cls, name in SGLANG]
     sglang_labels = {label for label, _, _ in SGLANG}
     events = len(trace.events)
-    taken = {False: 0, True: 0}
+    taken: dict = {}
     with timed_methods(sglang_targets + hook_targets) as timers:
 
-        def before_step(on):
+        def before_step(name):
             # One step per trace event; the one after runs the checks: not counted.
-            timers.side = on if taken[on] < events else None
-            taken[on] += 1
+            timers.side = name if taken.get(name, 0) < events else None
+            taken[name] = taken.get(name, 0) + 1
 
-        done = lockstep(trace, shape, pool, first_on=False,
+        done = lockstep(trace, shape, pool, first_on=False, equal_hit_pool=equal_hit_pool,
                         timer=time.perf_counter, before_step=before_step)
     out = {"hooks": {}, "sglang": {}}
-    for on, stats in done.items():
+    for name, stats in done.items():
         n = max(1, stats.requests)
-        side = "on" if on else "off"
+        side = {False: "off", True: "on", EQUAL_HIT: "equal_hit"}[name]
         out[f"{side}_us"] = 1e6 * stats.event_seconds / n
-        for label, (calls, ns) in timers.rows(on).items():
+        for label, (calls, ns) in timers.rows(name).items():
             row = {"calls": calls / n, "us": ns / 1000 / n}
             if label in sglang_labels:
                 out["sglang"].setdefault(label, {})[side] = row
-            elif on:
+            elif side == "on":
                 out["hooks"][label] = row
     top = {label for label, _, _ in HOOKS}
     out["hooks_total_us"] = sum(r["us"] for k, r in out["hooks"].items() if k in top)
@@ -186,14 +191,18 @@ def format_breakdown(title: str, b: dict) -> str:
                      f"{100 * r['us'] / on_us:>8.1f}%")
     total = b["hooks_total_us"]
     lines.append(f"  {'session hooks, total':<36}{'':>10}{total:>9.1f}{100 * total / on_us:>8.1f}%")
-    lines.append(f"  {'SGLang entry point (with its hooks)':<36}{'off calls':>10}{'us/req':>9}"
-                 f"{'on calls':>10}{'us/req':>9}")
-    for label, sides in b["sglang"].items():
-        off, on = sides["off"], sides["on"]
-        if not (off["calls"] or on["calls"]):
+    sides = ("off", "on", "equal_hit") if "equal_hit_us" in b else ("off", "on")
+    heads = {"off": "off calls", "on": "on calls", "equal_hit": "eq. calls"}
+    lines.append(f"  {'SGLang entry point (with its hooks)':<36}"
+                 + "".join(f"{heads[side]:>10}{'us/req':>9}" for side in sides))
+    for label, row in b["sglang"].items():
+        if not any(row[side]["calls"] for side in sides):
             continue  # e.g. no SWA/Mamba LRU lists on a FULL tree
-        lines.append(f"  {label:<36}{off['calls']:>10.2f}{off['us']:>9.1f}"
-                     f"{on['calls']:>10.2f}{on['us']:>9.1f}")
+        lines.append(f"  {label:<36}" + "".join(
+            f"{row[side]['calls']:>10.2f}{row[side]['us']:>9.1f}" for side in sides))
+    if "equal_hit_us" in b:
+        lines.append(f"  (eq.: session cache off on the equal-hit pool, wall time "
+                     f"{b['equal_hit_us']:.0f} us/req)")
     return "\n".join(lines)
 
 

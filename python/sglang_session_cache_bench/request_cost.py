@@ -31,8 +31,9 @@ own walks from what the session machinery costs.  The evictions per request
 
 ``--breakdown`` then replays once more per side with a timer around every
 session hook and SGLang entry point (``sglang_session_cache_bench.hook_profile``)
-and prints where the on run's time goes, per request; those replays are not
-part of the paired ratios.
+and prints where the on run's time goes, per request (with ``--equal-hit``,
+the control's SGLang entry points too); those replays are not part of the
+paired ratios.
 
 Target (issue 14): on/off <= 1.05 per shape.
 """
@@ -231,7 +232,7 @@ def run(shapes=SHAPES, size="8%", repeats: int = 5, seed: int = 0,
                 if breakdown:
                     _log(f"[request_cost] {SHAPE_TITLES[shape]:<15} breakdown: one more "
                          "pair with a timer around every hook")
-                    row["breakdown"] = hook_profile.breakdown(trace, shape, pool)
+                    row["breakdown"] = hook_profile.breakdown(trace, shape, pool, eq_pool)
                 rows.append(row)
     finally:
         torch.set_num_threads(threads)
@@ -312,7 +313,8 @@ def main(argv=None) -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="after the pairs, replay once more per side with a timer around "
                         "each session hook and SGLang entry point, and print where the "
-                        "on run's time goes (not part of the paired ratios)")
+                        "on run's time goes (with --equal-hit, next to the control's "
+                        "SGLang entry points; not part of the paired ratios)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     size = args.size

@@ -104,6 +104,30 @@ def test_breakdown_times_every_hook_and_restores_the_classes():
     assert "session hooks, total" in hook_profile.format_breakdown("FULL+SWA", b)
 
 
+def test_breakdown_times_the_equal_hit_control_as_a_third_side():
+    from sglang_session_cache_bench import hook_profile
+    from sglang_session_cache_bench.agentic import min_pool_tokens, replay
+    from sglang_session_cache_bench.trace import GeneratorConfig, generate_trace, ideal_stats
+
+    trace = generate_trace(GeneratorConfig(seed=1, sessions=3, concurrency=3))
+    pool = min_pool_tokens(trace)
+    eq = request_cost.equal_hit_pool(trace, "full", pool, replay(trace, "full", pool, True).hit_rate,
+                                     ideal_stats(trace)["footprint"])
+    b = hook_profile.breakdown(trace, "full", pool, eq)
+    assert b["equal_hit_us"] > 0
+    for label in ("match_prefix", "cache_finished_req"):
+        row = b["sglang"][label]
+        # The same requests through every cache: the same calls per request.
+        assert row["equal_hit"]["calls"] == row["on"]["calls"] == row["off"]["calls"] > 0
+        assert row["equal_hit"]["us"] > 0
+    # The control runs no session hook: the hook rows stay the on run's.
+    assert b["hooks"]["arrival stamp"]["calls"] == 1.0
+    text = hook_profile.format_breakdown("FULL", b)
+    assert "eq. calls" in text and "equal-hit pool" in text
+    assert "eq. calls" not in hook_profile.format_breakdown(
+        "FULL", hook_profile.breakdown(trace, "full", pool))
+
+
 def test_timed_methods_restores_on_error_and_keeps_inherited_lookups():
     from sglang_session_cache_bench.hook_profile import timed_methods
 
