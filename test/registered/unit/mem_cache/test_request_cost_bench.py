@@ -104,6 +104,19 @@ def test_breakdown_times_every_hook_and_restores_the_classes():
     assert "session hooks, total" in hook_profile.format_breakdown("FULL+SWA", b)
 
 
+def test_equal_hit_run_splits_the_ratio_into_machinery_and_hits(capsys, tmp_path):
+    out = tmp_path / "cost.json"
+    rc = request_cost.main(["--sessions", "3", "--repeats", "1", "--size", "30%",
+                            "--shapes", "full", "--equal-hit", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "control/off" in text and "what the extra hits cost SGLang itself" in text
+    (row,) = json.loads(out.read_text())["rows"]
+    # One pair: the medians are the pair's own ratios, so the split is exact.
+    assert row["ratio"] == pytest.approx(row["equal_hit_ratio"] * row["hit_cost_ratio"])
+    assert row["equal_hit_pool_tokens"] >= json.loads(out.read_text())["pool_tokens"]
+
+
 def test_breakdown_times_the_equal_hit_control_as_a_third_side():
     from sglang_session_cache_bench import hook_profile
     from sglang_session_cache_bench.agentic import min_pool_tokens, replay
