@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 from sglang_session_cache.component_refs import index_owners
 from sglang_session_cache.protection_scale import ProtectionScale
+from sglang_session_cache.session_ids import ENDED_IDS_KEPT
 from sglang_session_cache.session_return_rate import SessionReturnRate
 
 #: ``ServerArgs`` attributes (and ``sglang.Engine`` keywords) and CLI flags.
@@ -67,9 +68,8 @@ FROM_TURN_FLAG = "--session-radix-cache-protect-from-turn"
 AUTO = "auto"
 AUTO_FRACTION_CEILING = 0.9
 #: Request counts kept for sessions that lapsed without a close (TTL, the
-#: open-session bound), oldest dropped first; the closed-id tombstones'
-#: bound, so ids of at most 256 characters keep this under ~2 MB.
-LAPSED_LIMIT = 8192
+#: open-session bound), oldest dropped first.
+LAPSED_LIMIT = ENDED_IDS_KEPT
 DEFAULT_MAX_PROTECTED_FRACTION = AUTO
 DEFAULT_PROTECT_FROM_TURN = AUTO
 

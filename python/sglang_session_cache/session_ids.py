@@ -27,6 +27,11 @@ import unicodedata
 from typing import Any, Optional
 
 MAX_SESSION_ID_LEN = 256
+#: Ids of ended sessions a cache remembers, oldest forgotten first: the
+#: closed-id tombstones (``session_tracker``) and the request counts of
+#: sessions that lapsed without a close (``protection_policy``).  At
+#: ``MAX_SESSION_ID_LEN`` characters each this stays under ~2 MB.
+ENDED_IDS_KEPT = 8192
 RULE = (
     f"must be a non-empty string of at most {MAX_SESSION_ID_LEN} characters, "
     "not only whitespace, without control characters (NUL, newline, tab, ...), "
@@ -114,6 +119,7 @@ def generate_request_problem(obj: Any) -> Optional[str]:
 
 
 __all__ = [
+    "ENDED_IDS_KEPT",
     "MAX_SESSION_ID_LEN",
     "RULE",
     "generate_request_problem",

@@ -36,7 +36,7 @@ from sglang_session_cache.session_idle import IdleSchedule
 from sglang_session_cache.protection_policy import ProtectionPolicy
 from sglang_session_cache.protection_scale import ghost_key
 from sglang_session_cache.session_ttl import ExpiryLog, normalize_open_timeout, normalize_ttl
-from sglang_session_cache.session_ids import session_id_problem
+from sglang_session_cache.session_ids import ENDED_IDS_KEPT, session_id_problem
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 # Same logger namespace as the cache, so SGLang's logging config applies.
 logger = logging.getLogger("sglang.srt.mem_cache.unified_radix_cache")
 
-CLOSED_SESSION_TOMBSTONE_LIMIT = 8192
+CLOSED_SESSION_TOMBSTONE_LIMIT = ENDED_IDS_KEPT
 #: Tombstones also stop at this many id characters in total (ids are not
 #: length-checked on the Engine API path).
 CLOSED_SESSION_TOMBSTONE_CHARS = 1 << 22
