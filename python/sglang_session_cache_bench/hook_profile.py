@@ -191,7 +191,8 @@ def format_breakdown(title: str, b: dict) -> str:
                      f"{100 * r['us'] / on_us:>8.1f}%")
     total = b["hooks_total_us"]
     lines.append(f"  {'session hooks, total':<36}{'':>10}{total:>9.1f}{100 * total / on_us:>8.1f}%")
-    sides = ("off", "on", "equal_hit") if "equal_hit_us" in b else ("off", "on")
+    control = "equal_hit_us" in b
+    sides = ("off", "on", "equal_hit") if control else ("off", "on")
     heads = {"off": "off calls", "on": "on calls", "equal_hit": "eq. calls"}
     lines.append(f"  {'SGLang entry point (with its hooks)':<36}"
                  + "".join(f"{heads[side]:>10}{'us/req':>9}" for side in sides))
@@ -200,7 +201,7 @@ def format_breakdown(title: str, b: dict) -> str:
             continue  # e.g. no SWA/Mamba LRU lists on a FULL tree
         lines.append(f"  {label:<36}" + "".join(
             f"{row[side]['calls']:>10.2f}{row[side]['us']:>9.1f}" for side in sides))
-    if "equal_hit_us" in b:
+    if control:
         lines.append(f"  (eq.: session cache off on the equal-hit pool, wall time "
                      f"{b['equal_hit_us']:.0f} us/req)")
     return "\n".join(lines)

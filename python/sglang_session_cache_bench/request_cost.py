@@ -26,8 +26,8 @@ cyclic garbage collector is paused during a pair and runs after it.
 ``--equal-hit`` adds a control to the same lockstep: session cache off on the
 larger pool where it reuses as many prompt tokens as the on run (found by
 untimed bisection), so a run can tell what the hits themselves cost SGLang's
-own walks (control/off) from what the session machinery costs (on/control).  The evictions per request
-(deterministic) are printed for off and on.
+own walks (control/off) from what the session machinery costs (on/control).
+The evictions per request (deterministic) are printed for off and on.
 
 ``--breakdown`` then replays once more per side with a timer around every
 session hook and SGLang entry point (``sglang_session_cache_bench.hook_profile``)
