@@ -9,7 +9,13 @@ defaults, or ``--trace``) is replayed the same way against every server:
 up to ``--concurrency`` sessions run at once, each a thread sending its turns
 in order (every turn resends the trace's whole conversation, so reuse comes
 from the prefix cache) and closing the session when the trace does; one-shot
-requests run on their own thread in trace order. Every request streams
+requests run on their own thread in trace order. The replay is paced by
+the trace's clock (``--time-scale F``, default 0.05): each request goes at its trace
+time x F after the start (a session turn never before its previous turn
+finished), so other traffic arrives while a session waits for its next turn,
+as it does while an agent runs its tools; with ``--time-scale 0`` every
+request goes as soon as it can and a session's prefix is hardly ever idle
+long enough to be evicted, sessions on or off. Every request streams
 (``"stream": true``, greedy, ``ignore_eos``, ``max_new_tokens`` = the trace's
 output length); token ids at or above ``--vocab`` are mapped into it by a
 fixed mixing function (``model_token``) so any trace fits a tiny model:
@@ -46,6 +52,7 @@ from typing import Dict, List, Optional
 
 from sglang_session_cache_bench.trace_files import (
     add_trace_format_options,
+    non_negative_float,
     positive_int,
     trace_from_args,
 )
@@ -64,7 +71,13 @@ LIVE_WORKLOAD = dict(  # a CPU-sized agentic trace (see trace.GeneratorConfig)
     model_output=(4, 8), tool_output=(32, 96), user_message=(8, 16),
     oneshot_body=(128, 384), oneshot_output=(2, 4), oneshot_template=32,
 )
-DEFAULT_POOL = 2048
+#: With --launch: small enough that the sessions in flight and the one-shot
+#: traffic do not all fit (the longest request of the default trace is 527
+#: tokens), so what stays cached is the cache's choice.
+DEFAULT_POOL = 1024
+#: Trace seconds -> wall seconds: the default trace's 244 s of tool calls and
+#: arrivals take about 12 s, a session's median gap between turns 0.5 s.
+DEFAULT_TIME_SCALE = 0.05
 
 
 def _log(msg: str) -> None:
@@ -124,21 +137,36 @@ def _session_scripts(trace: Trace):
 class Replay:
     """One replay of the trace against one server URL."""
 
-    def __init__(self, url: str, trace: Trace, vocab: int, concurrency: int, tag: str = ""):
+    def __init__(self, url: str, trace: Trace, vocab: int, concurrency: int, tag: str = "",
+                 time_scale: float = 0.0):
         self.url = url.rstrip("/")
         self.trace = trace
         self.vocab = vocab
         self.concurrency = concurrency
         self.tag = tag
+        # Seconds of wall time per second of trace time (0: no pacing).
+        self.time_scale = time_scale
+        self.origin = min((r.time for r in trace.requests), default=0.0)
+        self.t0 = time.perf_counter()
         self.lock = threading.Lock()
         self.records: List[dict] = []
         self.errors: List[str] = []
         self.done = 0
         self.total = len(trace.requests)
 
+    def _wait_for(self, ev: TraceRequest) -> None:
+        """Paced: sleep until ``ev``'s trace time, scaled, has come (a turn
+        whose previous one finished late goes at once)."""
+        if self.time_scale > 0:
+            due = (ev.time - self.origin) * self.time_scale
+            delay = due - (time.perf_counter() - self.t0)
+            if delay > 0:
+                time.sleep(delay)
+
     def _send(self, ev: TraceRequest, session_id: Optional[str]) -> None:
         import requests
 
+        self._wait_for(ev)
         body = {
             "input_ids": [model_token(t, self.vocab) for t in ev.prompt],
             "sampling_params": {"temperature": 0, "ignore_eos": True,
@@ -195,7 +223,7 @@ class Replay:
 
     def run(self) -> dict:
         scripts, closes, oneshots = _session_scripts(self.trace)
-        t0 = time.perf_counter()
+        t0 = self.t0 = time.perf_counter()
         oneshot_thread = threading.Thread(
             target=lambda: [self._send(ev, None) for ev in oneshots], daemon=True)
         oneshot_thread.start()
@@ -268,7 +296,8 @@ def run_urls(args, trace: Trace) -> List[dict]:
         shape = args.shape or ("FULL+SWA" if "mellum" in ident["model"].lower() else "FULL")
         _log(f"[live] replaying {len(trace.requests)} requests against {url} "
              f"(session cache {ident['session']}, {shape})")
-        res = Replay(url, trace, args.vocab, args.concurrency, tag=f"{shape}/{ident['session']}").run()
+        res = Replay(url, trace, args.vocab, args.concurrency, tag=f"{shape}/{ident['session']}",
+                     time_scale=args.time_scale).run()
         rows.append({"url": url, "shape": shape, **ident, "result": res})
     return rows
 
@@ -289,7 +318,8 @@ def run_launch(args, trace: Trace) -> List[dict]:
         try:
             for s in servers:  # one at a time: they share the CPU
                 res = Replay(s.url, trace, args.vocab, args.concurrency,
-                             tag=f"{shape}/{'on' if s.session_cache else 'off'}").run()
+                             tag=f"{shape}/{'on' if s.session_cache else 'off'}",
+                             time_scale=args.time_scale).run()
                 rows.append({"url": s.url, "shape": shape, "session": "on" if s.session_cache else "off",
                              "model": kinds[shape], "max_total_tokens": args.pool, "result": res})
         finally:
@@ -309,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --launch: FULL and/or FULL+SWA (default both)")
     p.add_argument("--shape", help="with --url: label for the rows (default from the model)")
     p.add_argument("--pool", type=positive_int, default=DEFAULT_POOL,
-                   help="with --launch: --max-total-tokens")
+                   help=f"with --launch: --max-total-tokens (default {DEFAULT_POOL})")
     p.add_argument("--trace", metavar="FILE.jsonl",
                    help="replay this trace (JSONL or Mooncake) instead")
     add_trace_format_options(p)
@@ -317,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="generated trace: sessions in all")
     p.add_argument("--concurrency", type=positive_int, default=4,
                    help="sessions in flight at once")
+    p.add_argument("--time-scale", type=non_negative_float, default=DEFAULT_TIME_SCALE,
+                   metavar="F",
+                   help="pace the replay: send each request at its trace time x F "
+                        "(a session turn never before its previous one finished; "
+                        f"default {DEFAULT_TIME_SCALE:g}); 0 sends every request as "
+                        "soon as it can")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=positive_int, default=DEFAULT_VOCAB,
                    help="model vocabulary: trace ids at or above it are mapped into it")
@@ -348,6 +384,7 @@ def main(argv: Optional[list] = None) -> int:
               file=sys.stderr)
         return 2
     print(f"Live replay over HTTP: {s['requests']} requests, concurrency {args.concurrency}"
+          + (f", paced at trace time x {args.time_scale:g}" if args.time_scale > 0 else "")
           + (f", pool {args.pool} tokens" if args.launch else ""))
     print(format_table(rows))
     if args.out:

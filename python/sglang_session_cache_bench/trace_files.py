@@ -33,6 +33,17 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def add_trace_format_options(parser) -> None:
     """``--trace-format``, ``--block-size`` and ``--trace-block-size``: how a
     ``--trace`` file is read."""

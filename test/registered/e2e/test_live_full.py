@@ -261,7 +261,21 @@ def test_live_bench_replays_a_trace_against_the_server(servers, tmp_path, capsys
     res = row["result"]
     assert res["requests"] > 0 and not res["errors"]
     assert res["session_hit"] > 0 and res["ttft"]["1"]["p50"] > 0
-    assert "t2 p50/p95" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "t2 p50/p95" in printed and "paced at trace time x 0.05" in printed
+    # Paced by the trace's clock (default x 0.05): the last request cannot go
+    # before its trace time x 0.05 after the start.
+    from sglang_session_cache_bench import live_bench
+
+    ns = live_bench.build_parser().parse_args(["--url", "x", "--sessions", "2", "--concurrency", "2"])
+    times = [r.time for r in live_bench.build_trace(ns).requests]
+    assert res["wall_s"] >= (max(times) - min(times)) * 0.05
+    # Unpaced, on request: every request as soon as it can.
+    assert main(["--url", servers["on"].url, "--sessions", "2", "--concurrency", "2",
+                 "--time-scale", "0", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["rows"][0]["result"]
+    assert not res["errors"] and res["requests"] > 0
+    assert "paced" not in capsys.readouterr().out
 
 
 def test_ttl_from_cli_and_metrics(servers):

@@ -598,7 +598,36 @@ def test_live_bench_reports_an_unreachable_server_in_one_line(capsys):
                             "--concurrency", "1"]) == 2
     err = capsys.readouterr().err
     assert "error: cannot reach the server" in err and "Traceback" not in err
-    for bad in (["--concurrency", "0"], ["--vocab", "0"], ["--sessions", "0"], ["--pool", "-3"]):
+    for bad in (["--concurrency", "0"], ["--vocab", "0"], ["--sessions", "0"], ["--pool", "-3"],
+                ["--time-scale", "-1"], ["--time-scale", "inf"], ["--time-scale", "soon"]):
         with pytest.raises(SystemExit) as exc:
             live_bench.main(["--url", "http://127.0.0.1:9", *bad])
         assert exc.value.code == 2, bad
+
+
+def test_live_bench_paces_requests_by_trace_time(monkeypatch):
+    """``--time-scale F``: a request waits until its trace time x F after the
+    start (the earliest request's time is the origin); a late one goes at once."""
+    from sglang_session_cache_bench import live_bench
+    from sglang_session_cache_bench.trace import Trace, TraceRequest
+
+    reqs = [TraceRequest(prompt=[1, 2], output=[3], time=t) for t in (10.0, 14.0, 30.0)]
+    clock = [100.0]
+    slept = []
+
+    def sleep(s):
+        slept.append(round(s, 6))
+        clock[0] += s
+
+    monkeypatch.setattr(live_bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(live_bench.time, "sleep", sleep)
+    replay = live_bench.Replay("http://127.0.0.1:9", Trace(reqs), 500, 1, time_scale=0.5)
+    replay.t0 = clock[0]
+    replay._wait_for(reqs[0])  # the origin: due at once
+    replay._wait_for(reqs[1])  # due 2 s after the start
+    clock[0] += 12.0  # the server was slow: now 14 s after the start
+    replay._wait_for(reqs[2])  # due at 10 s: already late, no sleep
+    assert slept == [2.0]
+    unpaced = live_bench.Replay("http://127.0.0.1:9", Trace(reqs), 500, 1)
+    unpaced._wait_for(reqs[2])
+    assert slept == [2.0]
