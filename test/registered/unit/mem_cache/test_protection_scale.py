@@ -21,6 +21,8 @@ from sglang_session_cache.protection_policy import (  # noqa: E402
     normalize_fraction,
 )
 from sglang_session_cache.protection_scale import (  # noqa: E402
+    EARLY_BOOST,
+    EARLY_WINDOW,
     ProtectionScale,
     _common_prefix,
     ghost_key,
@@ -32,9 +34,17 @@ FULL = ComponentType.FULL
 # ---- the scale alone -----------------------------------------------------------------
 
 
-def test_misses_of_other_traffic_shrink_returning_sessions_grow():
+def settled(capacity: int) -> ProtectionScale:
+    """A scale past its early window (EARLY_WINDOW pools of ghost tokens
+    recorded before): each miss moves it at its own pace, size / capacity."""
     s = ProtectionScale()
-    s.configure(1000)
+    s.configure(capacity)
+    s.ghost_clock = int(EARLY_WINDOW * capacity)
+    return s
+
+
+def test_misses_of_other_traffic_shrink_returning_sessions_grow():
+    s = settled(1000)
     s.evicted(parent_id=1, node_id=2, tokens=[5, 6, 7], size=100)
     assert not s.missed(1, [9, 9], returning=False)  # no ghost there
     assert s.missed(1, [5, 6, 7, 8], returning=False)
@@ -53,8 +63,7 @@ def test_a_returning_sessions_miss_fades_with_the_ghosts_age():
 
     window = int(RETURN_WINDOW * 1000)
     for evicted_after, grown in ((0, 100), (window // 2, 50), (window, 0), (2 * window, 0)):
-        s = ProtectionScale()
-        s.configure(1000)
+        s = settled(1000)
         s.scale = 0.5
         s.evicted(1, 2, [5, 6, 7], 100)
         if evicted_after:
@@ -64,17 +73,45 @@ def test_a_returning_sessions_miss_fades_with_the_ghosts_age():
         assert s.grew == (grown > 0) and (1, 5) not in s.ghosts  # used even when it counts 0
     # Other traffic's misses count in full whatever the age: a hot document
     # pushed out is the cost of protection.
-    s = ProtectionScale()
-    s.configure(1000)
+    s = settled(1000)
     s.evicted(1, 2, [5, 6, 7], 100)
     s.evicted(3, 4, [8], 2 * window)
     s.missed(1, [5, 6, 7, 8], returning=False)
     assert s.scale == pytest.approx(0.9) and s.shrank == 1
 
 
-def test_a_miss_counts_the_whole_evicted_chain():
+def test_the_scale_moves_faster_while_it_has_seen_little():
+    """EARLY_BOOST times its own pace before any ghost, falling linearly to
+    its own pace over the first EARLY_WINDOW pools of ghost tokens: a scale
+    that starts at full protection reaches what the traffic asks for before
+    hot documents pay for long, and then moves no faster than the misses."""
+    window = int(EARLY_WINDOW * 1000)
+    for seen in (0, window // 2, window, 3 * window):
+        s = ProtectionScale()
+        s.configure(1000)
+        for i in range(seen // 100):  # other unreferenced KV recorded before
+            s.evicted(9, 100 + i, [i], 100)
+        s.evicted(1, 2, [5, 6, 7], 10)
+        boost = 1 + (EARLY_BOOST - 1) * max(0.0, 1 - (seen + 10) / window)
+        assert s.early_boost() == pytest.approx(boost)
+        s.missed(1, [5, 6, 7, 8], returning=False)
+        assert s.scale == pytest.approx(1 - 10 / 1000 * boost)
+        # Growing back is boosted alike (the ghost just recorded counts in full).
+        s.evicted(1, 3, [5, 6, 7], 10)
+        before, boost = s.scale, s.early_boost()
+        s.missed(1, [5, 6, 7], returning=True)
+        assert s.scale == pytest.approx(min(1.0, before + 10 / 1000 * boost))
+        assert s.validate() is None
+    assert boost == 1 and s.scale == pytest.approx(1.0)  # past the window: its own pace
     s = ProtectionScale()
     s.configure(1000)
+    s.evicted(1, 2, [5] * 300, 300)
+    s.missed(1, [5] * 300, returning=False)  # 300 x ~8 > the whole pool
+    assert s.scale == 0.0
+
+
+def test_a_miss_counts_the_whole_evicted_chain():
+    s = settled(1000)
     s.evicted(7, 8, [1, 2], 2)  # the leaf went first ...
     s.evicted(1, 7, [9, 9], 2)  # ... then its parent
     s.missed(1, [9, 9, 1, 2], returning=False)
@@ -85,16 +122,14 @@ def test_a_miss_counts_the_whole_evicted_chain():
 def test_a_request_sharing_only_the_start_of_an_evicted_node_counts_that_start():
     """A one-shot prompt (template + unique body) evicted as one node: the
     next one-shot with the same template lost only the template."""
-    s = ProtectionScale()
-    s.configure(1000)
+    s = settled(1000)
     s.evicted(1, 2, list(range(100)), 100)
     s.missed(1, list(range(10)) + [777] * 50, returning=False)
     assert s.scale == pytest.approx(1 - 10 / 1000)
 
 
 def test_mamba_ghosts_count_up_to_the_deepest_state():
-    s = ProtectionScale()
-    s.configure(1000)
+    s = settled(1000)
     s.evicted(7, 8, [3] * 10, 10, state=True, whole_only=True)  # leaf with a state
     s.evicted(1, 7, [2] * 5, 5, state=False, whole_only=True)  # its parent: none
     s.missed(1, [2] * 5 + [3] * 10, returning=False)
