@@ -74,8 +74,8 @@ GHOST_BUDGET = 1.0
 #: ghost tokens were (measured on the two-hot-document sweep, worst cell of
 #: seeds 0/2/3 against off: no boost -2.1/-1.6/-0.7 %, 4: -1.1/-0.9/-0.5 %,
 #: 8: -0.9/-0.7/-0.5 %, 16: -0.3/-0.7/-0.2 %, 32: -0.3/-0.9/-0.2 %; with 8, a
-#: window of half a pool -1.4 % on seed 0, two pools -1.0/-0.9/-0.5 %; the
-#: default workload's table unchanged but for 0.1-0.3 pt at one pool size).
+#: window of half a pool -1.4 % on seed 0, two pools -1.0/-0.9/-0.5 %; at 16
+#: the default workload loses at most 0.5 pt, FULL+SWA at the 3-5 % pools).
 EARLY_BOOST = 16.0
 EARLY_WINDOW = 1.0
 #: A returning session's ghost miss counts in full when the ghost is new and
