@@ -371,6 +371,13 @@ def main(argv: Optional[list] = None) -> int:
     except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    longest = max((len(r.prompt) + r.output_len for r in trace.requests), default=0)
+    if args.launch and longest > args.pool:
+        # A request larger than the whole KV pool can never be admitted.
+        print(f"error: the trace's longest request needs {longest} tokens (prompt + output) "
+              f"but the launched servers' pool is --pool {args.pool}; raise --pool or scale "
+              "the trace down (Mooncake: --block-size)", file=sys.stderr)
+        return 2
     s = trace.summary()
     _log(f"[live] trace: {s['requests']} requests ({s['session_requests']} session turns, "
          f"{s['oneshot_requests']} one-shot), {s['prompt_tokens']:,} prompt tokens")

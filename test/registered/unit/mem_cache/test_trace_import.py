@@ -605,6 +605,18 @@ def test_live_bench_reports_an_unreachable_server_in_one_line(capsys):
         assert exc.value.code == 2, bad
 
 
+def test_live_bench_refuses_a_trace_larger_than_the_launch_pool(tmp_path, capsys):
+    """With --launch, a request that cannot fit the servers' KV pool is a
+    clear error before any server starts (no server is reachable here)."""
+    from sglang_session_cache_bench import live_bench
+
+    path = _write(tmp_path / "m.jsonl", [_mc(0, 64, [1, 2, 3, 4], n_out=8)])
+    argv = ["--launch", "--trace", path, "--block-size", "16", "--trace-block-size", "16"]
+    assert live_bench.main([*argv, "--pool", "71"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 72 tokens" in err and "--pool 71" in err and "Traceback" not in err
+
+
 def test_live_bench_paces_requests_by_trace_time(monkeypatch):
     """``--time-scale F``: a request waits until its trace time x F after the
     start (the earliest request's time is the origin); a late one goes at once."""
