@@ -106,7 +106,7 @@ def test_the_scale_moves_faster_while_it_has_seen_little():
     s = ProtectionScale()
     s.configure(1000)
     s.evicted(1, 2, [5] * 300, 300)
-    s.missed(1, [5] * 300, returning=False)  # 300 x ~8 > the whole pool
+    s.missed(1, [5] * 300, returning=False)  # boosted, 300 tokens count for more than the pool
     assert s.scale == 0.0
 
 
